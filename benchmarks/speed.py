@@ -215,7 +215,7 @@ def run_round(module: FederatedModule, opt: torch.optim.Optimizer, round_idx: in
     module._check_finite(round_idx, sampled, out)
     params = module._global_params()
     delta, new_server_state = module.algorithm.aggregate(
-        params, out, weights, module.server_state, int(module.eligible.numel())
+        params, out, weights, module.server_state, module.records(sampled)
     )
     if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
         raise FloatingPointError(f"round {round_idx}: the aggregated update is not finite")
@@ -224,8 +224,7 @@ def run_round(module: FederatedModule, opt: torch.optim.Optimizer, round_idx: in
     for name, p in module.model.named_parameters():
         p.grad = (-delta[name]).to(p.dtype)
     opt.step()
-    module.client_states.scatter(sampled, out.state)
-    module.server_state = new_server_state
+    module.commit_round(sampled, out, new_server_state)
 
 
 #: the clock of every timing: wall time (``time.perf_counter``) by default; ``--clock cpu`` switches to

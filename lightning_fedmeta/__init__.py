@@ -1,6 +1,6 @@
 """lightning_fedmeta: personalized federated learning for PyTorch Lightning."""
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, client_records
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.module import FederatedModule
@@ -15,11 +15,13 @@ __all__ = [
     "BatchPlan",
     "ClientContext",
     "ClientOutput",
+    "ClientRecord",
     "ClientStateStore",
     "FederatedData",
     "FederatedDataset",
     "FederatedModule",
     "Params",
+    "client_records",
     "create_algorithm",
     "from_client_tensors",
     "list_algorithms",

@@ -1,10 +1,15 @@
 """FederatedModule: the federated loop as a LightningModule (one training step = one round).
 
-Round r (DESIGN.md):
+Round r (docs/design.md):
     S    = sample_clients(seed, r)                       pure function of (seed, r)
-    out  = algorithm.client_update(w, batches[S], state[S])   functional; looped or vmap-ed
-    Δ    = algorithm.aggregate(out, p_S)                 p_i ∝ n_i ("samples") or 1/|S| ("uniform")
+    out  = algorithm.client_update(w, batches[S], state[S], record[S])   functional; looped or vmap-ed
+    Δ    = algorithm.aggregate(out, p_S, record[S])      p_i ∝ n_i ("samples") or 1/N ("uniform")
     w   <- server optimizer step with pseudo-gradient −Δ  (SGD(lr=β): w + βΔ; Adam/Yogi: FedOpt)
+    seen[S] <- True
+
+Every client is known by an explicit :class:`~lightning_fedmeta.algorithms.base.ClientRecord`
+(index, weight p_i over the training clients, held out or not, trained before or not, size),
+gathered like client state and passed to ``client_update``, ``aggregate`` and ``personalize``.
 
 Under a multi-process strategy (``ddp``), rank k computes the sampled clients at positions
 ≡ k (mod world size); the per-client outputs are combined by an all-reduce of zero-filled
@@ -23,7 +28,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, weighted_mean_metrics
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.execution import ClientBatching, choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params
@@ -74,12 +79,15 @@ class FederatedModule(LightningModule):
             builds :func:`~lightning_fedmeta.models.default_model` from the data's shape.
         algorithm: a registered name (``"fedavg"``), a mapping ``{name: ..., <hyper-parameters>}``,
             or an :class:`~lightning_fedmeta.Algorithm` instance.
-        clients_per_round: clients sampled each round (mutually exclusive with ``fraction``).
+        clients_per_round: clients sampled each round (mutually exclusive with ``fraction``; 10 when
+            neither is given).
         fraction: fraction of the training clients sampled each round (rounded up).
         aggregation: client weights ``p_i``: ``"samples"`` (∝ training samples) or ``"uniform"``.
         server_lr: β, the learning rate of the default server optimizer ``SGD(lr=β)``.
         server_optimizer: any ``torch.optim`` optimizer factory (e.g. Adam for FedAdam); overrides
-            ``server_lr``.
+            ``server_lr``. Algorithms that update their models outside the server optimizer (IFCA,
+            CFL, MOCHA, the ``mtl_*`` family, Per-FedMAML: ``server_optimizer_applies = False``)
+            refuse it, and any ``server_lr`` other than 1, at construction.
         server_lr_scheduler: optional scheduler factory for the server optimizer, stepped every round.
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
         client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast:
@@ -98,7 +106,7 @@ class FederatedModule(LightningModule):
         self,
         model: nn.Module | None = None,
         algorithm: str | dict[str, Any] | Algorithm = "fedavg",
-        clients_per_round: int | None = 10,
+        clients_per_round: int | None = None,
         fraction: float | None = None,
         aggregation: Literal["samples", "uniform"] = "samples",
         server_lr: float = 1.0,
@@ -112,12 +120,20 @@ class FederatedModule(LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
+        if fraction is not None and clients_per_round is not None:
+            raise ValueError(
+                f"give clients_per_round or fraction, not both (got clients_per_round={clients_per_round!r}, "
+                f"fraction={fraction!r})"
+            )
         if fraction is not None:
             if not 0 < fraction <= 1:
                 raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-            clients_per_round = None
-        elif clients_per_round is None or clients_per_round <= 0:
-            raise ValueError(f"clients_per_round must be >= 1 (or set fraction), got {clients_per_round!r}")
+        else:
+            clients_per_round = 10 if clients_per_round is None else clients_per_round
+            if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int) or clients_per_round < 1:
+                raise ValueError(
+                    f"clients_per_round must be an integer >= 1 (or set fraction), got {clients_per_round!r}"
+                )
         if aggregation not in ("samples", "uniform"):
             raise ValueError(f"aggregation must be 'samples' or 'uniform', got {aggregation!r}")
         if not server_lr >= 0:
@@ -127,6 +143,17 @@ class FederatedModule(LightningModule):
         if client_chunk_size is not None and client_chunk_size < 1:
             raise ValueError(f"client_chunk_size must be >= 1, got {client_chunk_size!r}")
         self.algorithm = _build_algorithm(algorithm)
+        if not type(self.algorithm).server_optimizer_applies and (
+            server_optimizer is not None or server_lr != 1.0 or server_lr_scheduler is not None
+        ):
+            name = type(self.algorithm).name or type(self.algorithm).__name__
+            raise ValueError(
+                f"{name} updates its models outside the server optimizer (its server step is exact, e.g. a "
+                "cluster or mean update), so a server_optimizer, a server_lr_scheduler or a server_lr other "
+                f"than 1 would silently do nothing to them; remove them for {name} (got server_lr={server_lr!r}, "
+                f"server_optimizer={'set' if server_optimizer is not None else None}, "
+                f"server_lr_scheduler={'set' if server_lr_scheduler is not None else None})"
+            )
         # Only plain values go into the checkpoint's hyper-parameters: an nn.Module or Algorithm instance
         # there makes the file unloadable with torch.load(weights_only=True), the default of
         # Trainer.fit(ckpt_path=...). A custom model is passed again to load_from_checkpoint(path, model=...);
@@ -151,6 +178,7 @@ class FederatedModule(LightningModule):
 
         self.client_states = ClientStateStore()
         self.server_state: dict[str, Tensor] = {}
+        self.seen: Tensor | None = None  # [K] bool: the client took part in a completed round (checkpointed)
         self.data: FederatedData | None = None
         self.last_summary: dict[str, dict[str, Tensor]] = {}
         self.last_per_client_accuracy: Tensor | None = None
@@ -180,6 +208,7 @@ class FederatedModule(LightningModule):
         self._data_spec = {"input_shape": list(data.input_shape), "num_classes": data.num_classes}
         if self.model is None:
             self.model = default_model(data.input_shape, data.num_classes)
+        self._check_output_size(data)
         k = data.num_clients
         self.holdout = choose_holdout(self.seed, k, self.holdout_clients)
         is_holdout = torch.zeros(k, dtype=torch.bool)
@@ -204,9 +233,16 @@ class FederatedModule(LightningModule):
                 raise ValueError(f"client_batching='vmap' is impossible: {name} is not batchable")
             self.batching, reason = "loop", f"{type(self.algorithm).__name__} runs its clients looped (batchable=False)"
         params = self._global_params()
-        self.algorithm.bind_clients(data.train_counts.cpu(), data.label_counts.cpu())
+        counts = data.train_counts.cpu().to(torch.float64)
+        share = counts if self.aggregation == "samples" else torch.ones_like(counts)
+        share = share * (~is_holdout).to(torch.float64)
+        self.client_weight = share / share.sum()  # p_i over the training clients, 0 when held out
+        if self.seen is None or self.seen.numel() != k:
+            self.seen = torch.zeros(k, dtype=torch.bool)
+        everyone = self.records(torch.arange(k), device=torch.device("cpu"))
+        self.algorithm.bind_clients(everyone, data.label_counts.cpu())
         if not self.client_states.tensors:
-            self.client_states = ClientStateStore(self.algorithm.init_client_states(params, data.train_counts))
+            self.client_states = ClientStateStore(self.algorithm.init_client_states(params, everyone))
         if not self.server_state:
             self.server_state = self.algorithm.init_server_state(params)
         self.metric = PersonalizedMetrics(k)
@@ -218,6 +254,43 @@ class FederatedModule(LightningModule):
             f"{k - n_eligible} held out), {self.num_sampled} per round; clients: {reason}"
         )
         self._ready = True
+
+    def records(self, clients: Tensor, device: torch.device | None = None) -> ClientRecord:
+        """The stacked :class:`ClientRecord` of the given client indices (on the module's device)."""
+        assert self.data is not None and self.seen is not None
+        idx = clients.cpu().long()
+        device = self.device if device is None else device
+        return ClientRecord(
+            index=idx.to(device),
+            weight=self.client_weight[idx].to(device),
+            is_new=self.is_holdout[idx].to(device),
+            seen=self.seen[idx].to(device),
+            num_samples=self.data.train_counts.cpu()[idx].long().to(device),
+        )
+
+    def _check_output_size(self, data: FederatedData) -> None:
+        """The model must map a batch of inputs to ``[B, num_classes]`` outputs (checked once, on 2 samples)."""
+        assert self.model is not None
+        first = next(self.model.parameters(), None)
+        x = data.train_x[:2].to(first.device if first is not None else "cpu")
+        was_training = self.model.training
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                out = self.model(x)
+        except Exception as exc:  # noqa: BLE001 - reported with the shapes
+            raise ValueError(
+                f"the model cannot take this data's inputs: a batch of shape {tuple(x.shape)} raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self.model.train(was_training)
+        if not isinstance(out, Tensor) or (out.dim() != 2 or out.shape[-1] != data.num_classes):
+            raise ValueError(
+                f"the model's output has shape {tuple(getattr(out, 'shape', ()))} for a batch of {x.shape[0]}, "
+                f"but the data has {data.num_classes} classes: its last layer must output {data.num_classes} "
+                "logits per sample"
+            )
 
     def _round(self) -> int:
         """Rounds trained so far: ``global_step``, or the loaded checkpoint's round under ``test``/``validate``."""
@@ -322,9 +395,14 @@ class FederatedModule(LightningModule):
     # one round
     # ------------------------------------------------------------------------------------------
     def _client_fn(
-        self, params: Params, server_state: dict[str, Tensor], batches: Batch, state: dict[str, Tensor]
+        self,
+        params: Params,
+        server_state: dict[str, Tensor],
+        batches: Batch,
+        state: dict[str, Tensor],
+        record: ClientRecord,
     ) -> ClientOutput:
-        return self.algorithm.client_update(self.ctx, params, batches, state, server_state)
+        return self.algorithm.client_update(self.ctx, params, batches, state, server_state, record)
 
     def compute_round(self, round_idx: int) -> tuple[Tensor, ClientOutput, Tensor]:
         """Sample the round's clients and run their local procedures (all ranks combined)."""
@@ -335,11 +413,19 @@ class FederatedModule(LightningModule):
         states = self.client_states.gather(local)
         seeds = [stable_seed(self.seed, "dropout", round_idx, int(c)) for c in local]
         out = run_clients(
-            self._client_fn, (self._global_params(), self.server_state), (batches, states),
+            self._client_fn, (self._global_params(), self.server_state), (batches, states, self.records(local)),
             local.numel(), self.batching, self.client_chunk_size, seeds, self._compiled,
         )
         out = self._combine_ranks(out, positions, sampled.numel())
         return sampled, out, self._weights(sampled)
+
+    def commit_round(self, sampled: Tensor, out: ClientOutput, server_state: dict[str, Tensor]) -> None:
+        """Write a finished round back: the sampled clients' states, the server state, and their records'
+        ``seen`` flags (called after the server optimizer's step)."""
+        assert self.seen is not None
+        self.client_states.scatter(sampled, out.state)
+        self.server_state = server_state
+        self.seen[sampled.cpu()] = True
 
     def _check_finite(self, round_idx: int, sampled: Tensor, out: ClientOutput) -> None:
         assert self.data is not None
@@ -361,7 +447,7 @@ class FederatedModule(LightningModule):
         self._check_finite(r, sampled, out)
         params = self._global_params()
         delta, new_server_state = self.algorithm.aggregate(
-            params, out, weights, self.server_state, int(self.eligible.numel())
+            params, out, weights, self.server_state, self.records(sampled)
         )
         if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
             raise FloatingPointError(f"round {r}: the aggregated update is not finite; lower the learning rates")
@@ -374,8 +460,7 @@ class FederatedModule(LightningModule):
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()  # type: ignore[union-attr]
-        self.client_states.scatter(sampled, out.state)
-        self.server_state = new_server_state
+        self.commit_round(sampled, out, new_server_state)
         metrics = weighted_mean_metrics(out.metrics, weights)
         for k, v in metrics.items():
             self.log(f"train/{k}", v, prog_bar=(k == "loss"), on_step=True, on_epoch=False, batch_size=1)
@@ -387,9 +472,15 @@ class FederatedModule(LightningModule):
     # personalised evaluation
     # ------------------------------------------------------------------------------------------
     def _eval_fn(
-        self, params: Params, server_state: dict[str, Tensor], adapt: Batch, test: Batch, state: dict[str, Tensor]
+        self,
+        params: Params,
+        server_state: dict[str, Tensor],
+        adapt: Batch,
+        test: Batch,
+        state: dict[str, Tensor],
+        record: ClientRecord,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        w = self.algorithm.personalize(self.ctx, params, adapt, state, server_state)
+        w = self.algorithm.personalize(self.ctx, params, adapt, state, server_state, record)
         return self.ctx.accuracy_counts(w, test)
 
     def evaluate_clients(self, clients: Tensor, round_idx: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -399,19 +490,12 @@ class FederatedModule(LightningModule):
         adapt = self._batches("adapt", round_idx, clients, self.algorithm.eval_plan())
         test = self._test_batches(clients)
         states = self.client_states.gather(clients)
-        new = self.is_holdout[clients]
-        if bool(new.any()) and states:
-            fresh = self.algorithm.init_client_states(params, self.data.train_counts.cpu()[clients])
-            states = {
-                k: torch.where(new.to(v.device).view(-1, *([1] * (v.dim() - 1))), fresh[k].to(v), v)
-                for k, v in states.items()
-            }
         seeds = [stable_seed(self.seed, "eval-dropout", round_idx, int(c)) for c in clients]
         # evaluation touches every client: chunk it even when training runs all sampled clients at once
         chunk = self.client_chunk_size or max(self.num_sampled, 100)  # None trains all at once; evaluation chunks
         with torch.inference_mode(False), torch.enable_grad():
             return run_clients(
-                self._eval_fn, (params, self.server_state), (adapt, test, states),
+                self._eval_fn, (params, self.server_state), (adapt, test, states, self.records(clients)),
                 clients.numel(), self.batching, chunk, seeds,
             )
 
@@ -506,15 +590,17 @@ class FederatedModule(LightningModule):
             clients = torch.tensor([client])
             adapt = self._batches("adapt", r, clients, self.algorithm.eval_plan())
             states = self.client_states.gather(clients)
-            if bool(self.is_holdout[client]) and states:
-                states = self.algorithm.init_client_states(params, self.data.train_counts.cpu()[clients])
+            record = self.records(clients)
             batches = Batch(adapt.x[0], adapt.y[0], adapt.mask[0])
         else:
-            batches, states = self._new_client_batches(client, r, params)
+            batches, states, record = self._new_client_batches(client, r, params)
         ctx = self.ctx if self.data is not None else ClientContext(self.model)
         server_state = {k: v.to(self.device) for k, v in self.server_state.items()}
         with torch.inference_mode(False), torch.enable_grad():
-            w = self.algorithm.personalize(ctx, params, batches, {k: v[0] for k, v in states.items()}, server_state)
+            w = self.algorithm.personalize(
+                ctx, params, batches, {k: v[0] for k, v in states.items()}, server_state,
+                ClientRecord(*(t[0] for t in record)),
+            )
         personal = copy.deepcopy(self.model)
         with torch.no_grad():
             for name, p in personal.named_parameters():
@@ -523,8 +609,9 @@ class FederatedModule(LightningModule):
 
     def _new_client_batches(
         self, data: tuple[Tensor, Tensor], round_idx: int, params: Params
-    ) -> tuple[Batch, dict[str, Tensor]]:
-        """Evaluation-time adaptation batches and a fresh state for a client known only by its data."""
+    ) -> tuple[Batch, dict[str, Tensor], ClientRecord]:
+        """Evaluation-time adaptation batches, a fresh state and a record (index −1, new, never trained,
+        weight 0) for a client known only by its data."""
         x = torch.as_tensor(data[0], dtype=torch.float32, device=self.device)
         y = torch.as_tensor(data[1], dtype=torch.long, device=self.device).reshape(-1)
         if y.numel() == 0 or x.shape[0] != y.numel():
@@ -537,8 +624,17 @@ class FederatedModule(LightningModule):
             self.algorithm.eval_plan(), y.numel(),
         )
         idx = idx[0].to(self.device)
-        states = self.algorithm.init_client_states(params, counts)
-        return Batch(x[idx], y[idx], mask[0].to(self.device)), {k: v.to(self.device) for k, v in states.items()}
+        record = ClientRecord(
+            index=torch.tensor([-1]), weight=torch.zeros(1, dtype=torch.float64), is_new=torch.tensor([True]),
+            seen=torch.tensor([False]), num_samples=counts,
+        )
+        states = self.algorithm.init_client_states(params, record)
+        record = ClientRecord(*(t.to(self.device) for t in record))
+        return (
+            Batch(x[idx], y[idx], mask[0].to(self.device)),
+            {k: v.to(self.device) for k, v in states.items()},
+            record,
+        )
 
     # ------------------------------------------------------------------------------------------
     # checkpoints
@@ -549,6 +645,7 @@ class FederatedModule(LightningModule):
             "server_state": {k: v.detach().cpu().clone() for k, v in self.server_state.items()},
             "data_spec": self._data_spec,
             "round": int(self.global_step),
+            "seen": None if self.seen is None else self.seen.clone(),
             # checkpoints load with weights_only=True, so the architecture is named, not pickled
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
         }
@@ -561,6 +658,8 @@ class FederatedModule(LightningModule):
         self._placed_on = None
         self.server_state = {k: v.clone() for k, v in saved["server_state"].items()}
         self._data_spec = saved.get("data_spec")
+        seen = saved.get("seen")
+        self.seen = None if seen is None else seen.clone().to(torch.bool)
         self._loaded_round = int(checkpoint.get("global_step", 0))
         if self.model is None and self._data_spec is not None:
             model = default_model(tuple(self._data_spec["input_shape"]), int(self._data_spec["num_classes"]))

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_fedmeta import ClientRecord, client_records
 from lightning_fedmeta.data import FederatedData, FederatedDataModule, from_client_tensors
 
-__all__ = ["TinyDataset", "make_tiny_clients", "make_trainer", "tiny_data", "tiny_datamodule"]
+__all__ = ["TinyDataset", "make_tiny_clients", "make_trainer", "one_client", "tiny_data", "tiny_datamodule"]
 
 # The suite runs many tiny models: one intra-op thread avoids the thread wake-up overhead that
 # dominates at these sizes (and oversubscription when a test starts extra processes).
@@ -36,6 +37,13 @@ def make_tiny_clients(
         y = (x @ w_true + 0.3 * torch.randn(n + test_size, NUM_CLASSES, generator=g)).argmax(1)
         clients.append((x[:n], y[:n], x[n:], y[n:]))
     return clients
+
+
+def one_client(num_samples: int = 10, index: int = 0, weight: float = 1.0, seen: bool = False,
+               is_new: bool = False) -> ClientRecord:
+    """The record of one client (unstacked, as ``client_update`` receives it), for direct calls."""
+    stacked = client_records([num_samples], weight=[weight], is_new=[is_new], seen=[seen], index=[index])
+    return ClientRecord(*(t[0] for t in stacked))
 
 
 def tiny_data(num_clients: int = 6, seed: int = 0) -> FederatedData:

@@ -61,7 +61,7 @@ def test_unknown_dataset_name_lists_the_available_ones() -> None:
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("clients_per_round", [0, -2])
 def test_non_positive_clients_per_round_is_rejected(clients_per_round: int) -> None:
-    with pytest.raises(ValueError, match=rf"clients_per_round must be >= 1.*got {clients_per_round}"):
+    with pytest.raises(ValueError, match=rf"clients_per_round must be an integer >= 1.*got {clients_per_round}"):
         FederatedModule(model=_linear(), clients_per_round=clients_per_round)
 
 

@@ -7,7 +7,15 @@ import torch
 from conftest import make_trainer, tiny_data, tiny_datamodule
 from torch import Tensor, nn
 
-from lightning_fedmeta import Batch, ClientContext, FederatedModule, create_algorithm
+from lightning_fedmeta import (
+    Batch,
+    ClientContext,
+    ClientRecord,
+    FederatedModule,
+    client_records,
+    create_algorithm,
+    from_client_tensors,
+)
 from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Params
@@ -99,9 +107,18 @@ def _quadratic_clients() -> tuple[Tensor, Tensor, Tensor]:
     return x, y, global_min
 
 
-def _run_quadratic(algorithm: Algorithm, rounds: int) -> Tensor:
-    """Full participation, equal weights, full-batch local steps, server w ← w + Σ_i ½ Δ_i."""
+def _weighted_minimiser(p: Tensor) -> Tensor:
+    """The minimiser of Σ_i p_i f_i for the two quadratic clients: (Σ p_i A_i)⁻¹ Σ p_i A_i w_i*."""
+    x, _, _ = _quadratic_clients()
+    a = torch.einsum("cjd,cje->cde", x, x) / 2
+    w_star = torch.eye(2)
+    return torch.linalg.solve(torch.einsum("c,cde->de", p, a), torch.einsum("c,cde,ce->d", p, a, w_star))
+
+
+def _run_quadratic(algorithm: Algorithm, rounds: int, p: Tensor | None = None) -> Tensor:
+    """Full participation, full-batch local steps, client weights p (default ½, ½), server w ← w + Σ_i p_i Δ_i."""
     x, y, _ = _quadratic_clients()
+    p = torch.tensor([0.5, 0.5]) if p is None else p
     model = nn.Linear(2, 1, bias=False)
     ctx = ClientContext(model, per_sample_loss=_half_squared_error)
     params: Params = {"weight": torch.zeros(1, 2)}
@@ -112,16 +129,16 @@ def _run_quadratic(algorithm: Algorithm, rounds: int) -> Tensor:
         y[:, None, None].expand(2, steps, 1, 2),
         torch.ones(2, steps, 1, 2),
     )
-    states = algorithm.init_client_states(params, torch.tensor([2, 2]))
+    records = client_records([2, 2], weight=p)
+    states = algorithm.init_client_states(params, records)
     server = algorithm.init_server_state(params)
-    weights = torch.tensor([0.5, 0.5])
 
-    def client(p: Params, s: dict[str, Tensor], b: Batch, st: dict[str, Tensor]):  # noqa: ANN202
-        return algorithm.client_update(ctx, p, b, st, s)
+    def step(w: Params, s: dict[str, Tensor], b: Batch, st: dict[str, Tensor], rec: ClientRecord):  # noqa: ANN202
+        return algorithm.client_update(ctx, w, b, st, s, rec)
 
     for _ in range(rounds):
-        out = run_clients(client, (params, server), (batches, states), 2, "vmap")
-        delta, server = algorithm.aggregate(params, out, weights, server, 2)
+        out = run_clients(step, (params, server), (batches, states, records), 2, "vmap")
+        delta, server = algorithm.aggregate(params, out, p, server, records)
         params = {k: params[k] + delta[k] for k in params}
         states = out.state
     return params["weight"].flatten()
@@ -138,14 +155,70 @@ def test_scaffold_reaches_global_minimiser_where_fedavg_drifts() -> None:
     assert torch.linalg.norm(fedavg - global_min) > 0.2, (fedavg, global_min)
 
 
-def test_scaffold_server_control_variate_is_mean_client_change_over_all_clients() -> None:
-    """c ← c + (1/N) Σ_{i∈S} Δc_i with N the number of eligible clients, not |S|."""
+def test_scaffold_fixed_point_with_unequal_weights_is_weighted_gradient_descents() -> None:
+    """p = (0.8, 0.2): SCAFFOLD's fixed point is the minimiser of Σ p_i f_i, where FedAvg with τ = 1
+    (weighted full-batch gradient descent) converges: ≈ (0.985, 0.800), not the uniform (0.941, 0.941)."""
+    p = torch.tensor([0.8, 0.2])
+    weighted = _weighted_minimiser(p)
+    uniform = _weighted_minimiser(torch.tensor([0.5, 0.5]))
+    gd = _run_quadratic(create_algorithm("fedavg", local_lr=0.2, local_steps=1, batch_size=None), 400, p)
+    scaffold = _run_quadratic(create_algorithm("scaffold", local_lr=0.2, local_steps=20, batch_size=None), 40, p)
+    torch.testing.assert_close(gd, weighted, atol=1e-4, rtol=0)
+    torch.testing.assert_close(scaffold, gd, atol=1e-4, rtol=0)
+    assert torch.linalg.norm(weighted - uniform) > 0.1  # the two objectives really differ here
+
+
+def test_scaffold_in_the_loop_minimises_the_sample_weighted_objective() -> None:
+    """End to end with unequal client sizes (aggregation="samples"): SCAFFOLD (τ = 10) reaches the
+    minimiser of the mean loss over the union of the clients' data, as centralised gradient descent."""
+    g = torch.Generator().manual_seed(3)
+    clients = []
+    for n, shift in ((200, 0.0), (40, 1.5)):  # unequal sizes, shifted inputs, noisy labels: a finite minimiser
+        x = torch.randn(n + 4, 5, generator=g) + shift
+        y = ((x[:, 0] > shift).long() + torch.randint(0, 2, (n + 4,), generator=g)) % 3
+        clients.append((x[:n], y[:n], x[n:], y[n:]))
+    data = from_client_tensors(clients, 3)
+    reference = _linear()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(3000):
+        opt.zero_grad()
+        nn.functional.cross_entropy(reference(data.train_x), data.train_y).backward()
+        opt.step()
+    module = FederatedModule(
+        model=_linear(), algorithm={"name": "scaffold", "local_lr": 0.1, "local_steps": 10, "batch_size": None},
+        clients_per_round=2, aggregation="samples",
+    )
+    module.attach_data(data)
+    for r in range(150):
+        sampled, out, weights = module.compute_round(r)
+        params = module._global_params()
+        delta, new_server_state = module.algorithm.aggregate(
+            params, out, weights, module.server_state, module.records(sampled)
+        )
+        with torch.no_grad():
+            for name, prm in module.model.named_parameters():
+                prm.add_(delta[name])
+        module.commit_round(sampled, out, new_server_state)
+    torch.testing.assert_close(module.model.weight, reference.weight, atol=2e-3, rtol=0)
+    torch.testing.assert_close(module.model.bias, reference.bias, atol=2e-3, rtol=0)
+
+
+def test_scaffold_server_control_variate_keeps_the_weighted_mean_of_client_variates() -> None:
+    """c ← c + Σ_{i∈S} p_i Δc_i with p_i the clients' weights over ALL training clients, so c = Σ_i p_i c_i."""
     module = FederatedModule(model=_linear(), algorithm={"name": "scaffold", "local_lr": 0.1, "local_steps": 2},
-                             clients_per_round=2)
+                             clients_per_round=2, holdout_clients=1)
     module.attach_data(tiny_data())
-    _, out, weights = module.compute_round(0)
-    params = module._global_params()
-    _, new_server = module.algorithm.aggregate(params, out, weights, module.server_state, 6)
-    expected = module.server_state["c.weight"] + out.extras["dc.weight"].sum(0) / 6
-    torch.testing.assert_close(new_server["c.weight"], expected)
-    assert expected.abs().max() > 0
+    for r in range(3):
+        sampled, out, weights = module.compute_round(r)
+        params = module._global_params()
+        records = module.records(sampled)
+        _, new_server = module.algorithm.aggregate(params, out, weights, module.server_state, records)
+        expected = module.server_state["c.weight"] + torch.einsum("c,c...->...", records.weight.float(),
+                                                                  out.extras["dc.weight"])
+        torch.testing.assert_close(new_server["c.weight"], expected)
+        module.commit_round(sampled, out, new_server)
+    c_i = module.client_states.tensors["c_i.weight"]
+    p = module.client_weight.float()
+    assert float(p[module.holdout].sum()) == 0.0
+    torch.testing.assert_close(module.server_state["c.weight"], torch.einsum("k,k...->...", p, c_i))
+    assert module.server_state["c.weight"].abs().max() > 0

@@ -22,7 +22,7 @@ def _run(compile_clients: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     for r in range(2):
         sampled, out, weights = module.compute_round(r)
         delta, module.server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, int(module.eligible.numel())
+            module._global_params(), out, weights, module.server_state, module.records(sampled)
         )
         opt.zero_grad()
         for name, p in module.model.named_parameters():

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import one_client
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -114,12 +115,14 @@ def test_uploaded_delta_is_minus_the_maml_gradient_of_autograd(second_order: boo
                     torch.randint(0, 3, (1, 1, 20), generator=g), torch.ones(1, 1, 20, dtype=torch.float64))
     w = {n: p.detach() for n, p in model.named_parameters()}
     algo = FedMAML(alpha=0.3, second_order=second_order, batch_size=10)
-    out = algo.client_update(ctx, w, batches, {}, {})
+    out = algo.client_update(ctx, w, batches, {}, {}, one_client())
     support, query = split_support_query(batches.at(0, 0))
     expected = _autograd_meta_gradient(ctx, w, support, query, 0.3, second_order)
     for d, e in zip(out.delta.values(), expected, strict=True):
         torch.testing.assert_close(d, -e, atol=1e-10, rtol=0)
-    other = FedMAML(alpha=0.3, second_order=not second_order, batch_size=10).client_update(ctx, w, batches, {}, {})
+    other = FedMAML(alpha=0.3, second_order=not second_order, batch_size=10).client_update(
+        ctx, w, batches, {}, {}, one_client()
+    )
     assert max(float((other.delta[k] - out.delta[k]).abs().max()) for k in w) > 1e-6
 
 
@@ -130,7 +133,7 @@ def test_several_local_steps_average_the_meta_gradients_at_theta() -> None:
     batches = Batch(torch.randn(3, 1, 8, 5, generator=g), torch.randint(0, 3, (3, 1, 8), generator=g),
                     torch.ones(3, 1, 8))
     w = {n: p.detach() for n, p in model.named_parameters()}
-    out = FedMAML(alpha=0.1, local_steps=3, batch_size=4).client_update(ctx, w, batches, {}, {})
+    out = FedMAML(alpha=0.1, local_steps=3, batch_size=4).client_update(ctx, w, batches, {}, {}, one_client())
     per_step = [maml_meta_gradient(ctx, w, *split_support_query(batches.at(t, 0)), 0.1, False)[0] for t in range(3)]
     for k in w:
         torch.testing.assert_close(out.delta[k], -sum(p[k] for p in per_step) / 3, atol=1e-7, rtol=0)

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import one_client
 from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
@@ -98,7 +99,7 @@ def test_exact_step_equals_closed_form_on_quadratic() -> None:
     algo = PerFedAvg(variant="exact", alpha=alpha, beta=beta, local_steps=1, batch_size=4)
     batches = _batches(torch.Generator().manual_seed(0), 1, 3, 4, 1, torch.float64)
     w = _params(model)
-    out = algo.client_update(ctx, w, batches, {}, {})
+    out = algo.client_update(ctx, w, batches, {}, {}, one_client())
 
     w0 = w["w"]
     w_tilde = w0 - alpha * (a @ w0 - b)
@@ -117,7 +118,7 @@ def test_exact_step_equals_autograd_through_inner_step_on_logistic_regression() 
     b = Batch(torch.stack([b.x[:, 0], b.x[:, 1], b.x[:, 0]], 1), torch.stack([b.y[:, 0], b.y[:, 1], b.y[:, 0]], 1),
               b.mask)
     w = _params(model)
-    out = algo.client_update(ctx, w, b, {}, {})
+    out = algo.client_update(ctx, w, b, {}, {}, one_client())
 
     leaves = {k: v.clone().requires_grad_(True) for k, v in w.items()}
     inner = ctx.loss(leaves, b.at(0, 0))
@@ -135,10 +136,10 @@ def test_hessian_free_error_shrinks_like_delta_squared() -> None:
     batches = _batches(torch.Generator().manual_seed(5), 1, 3, 16, 4, torch.float64)
     w = _params(model)
     common = {"alpha": 0.5, "beta": 1.0, "local_steps": 1, "batch_size": 16}
-    exact = _flat(PerFedAvg(variant="exact", **common).client_update(ctx, w, batches, {}, {}).delta)
+    exact = _flat(PerFedAvg(variant="exact", **common).client_update(ctx, w, batches, {}, {}, one_client()).delta)
     errors = []
     for delta in (1e-2, 1e-3):
-        hf = PerFedAvg(variant="hf", delta=delta, **common).client_update(ctx, w, batches, {}, {}).delta
+        hf = PerFedAvg(variant="hf", delta=delta, **common).client_update(ctx, w, batches, {}, {}, one_client()).delta
         errors.append(float((_flat(hf) - exact).norm()))
     assert errors[1] > 0
     assert 60 < errors[0] / errors[1] < 160, errors
@@ -154,8 +155,8 @@ def test_first_order_with_alpha_zero_equals_fedavg_local_sgd() -> None:
     fedavg = FedAvg(local_steps=4, local_lr=0.1, batch_size=8)
     # FO steps with D′ = batch 1 of each step; FedAvg sees exactly those batches
     d_prime = Batch(batches.x[:, 1:2], batches.y[:, 1:2], batches.mask[:, 1:2])
-    out_fo = fo.client_update(ctx, w, batches, {}, {})
-    out_avg = fedavg.client_update(ctx, w, d_prime, {}, {})
+    out_fo = fo.client_update(ctx, w, batches, {}, {}, one_client())
+    out_avg = fedavg.client_update(ctx, w, d_prime, {}, {}, one_client())
     for k in w:
         assert torch.equal(out_fo.delta[k], out_avg.delta[k])
 

@@ -7,10 +7,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import one_client
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 
-from lightning_fedmeta import FederatedModule
+from lightning_fedmeta import ClientRecord, FederatedModule
 from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
 from lightning_fedmeta.algorithms.perfedmaml import PerFedMAML
 from lightning_fedmeta.data import FederatedDataModule
@@ -59,7 +60,7 @@ def _train(batching: str = "auto", steps: int = 3, algorithm: dict | None = None
     return module
 
 
-def _client_inputs(seen: float) -> tuple[ClientContext, dict[str, Tensor], Batch, dict[str, Tensor]]:
+def _client_inputs(seen: float) -> tuple[ClientContext, dict[str, Tensor], Batch, dict[str, Tensor], ClientRecord]:
     model = _initial_model()
     ctx = ClientContext(model)
     w = {n: p.detach() for n, p in model.named_parameters()}
@@ -67,9 +68,7 @@ def _client_inputs(seen: float) -> tuple[ClientContext, dict[str, Tensor], Batch
     batches = Batch(torch.randn(2, 1, 8, 5, generator=g), torch.randint(0, 3, (2, 1, 8), generator=g),
                     torch.ones(2, 1, 8))
     state = {f"theta.{k}": v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}
-    state["seen"] = torch.tensor(seen)
-    state["p"] = torch.tensor(0.25)
-    return ctx, w, batches, state
+    return ctx, w, batches, state, one_client(weight=0.25, seen=bool(seen))
 
 
 def _maml_steps(ctx: ClientContext, theta: dict[str, Tensor], centre: dict[str, Tensor], batches: Batch,
@@ -84,9 +83,9 @@ def _maml_steps(ctx: ClientContext, theta: dict[str, Tensor], centre: dict[str, 
 # the client update
 # ----------------------------------------------------------------------------------------------
 def test_lambda_zero_is_exactly_the_per_client_maml_update() -> None:
-    ctx, w, batches, state = _client_inputs(seen=1.0)
+    ctx, w, batches, state, rec = _client_inputs(seen=1.0)
     algo = PerFedMAML(alpha=0.1, beta=0.2, lam=0.0, local_steps=2, batch_size=4)
-    out = algo.client_update(ctx, w, batches, state, {})
+    out = algo.client_update(ctx, w, batches, state, {}, rec)
     theta = {k: state[f"theta.{k}"] for k in w}
     for t in range(2):
         g = maml_meta_gradient(ctx, theta, *split_support_query(batches.at(t, 0)), 0.1, False)[0]
@@ -95,39 +94,39 @@ def test_lambda_zero_is_exactly_the_per_client_maml_update() -> None:
         assert torch.equal(out.state[f"theta.{k}"], theta[k])
     # λ = 0: the server mean does not enter the client's update
     moved = {k: v + 1.0 for k, v in w.items()}
-    again = algo.client_update(ctx, moved, batches, state, {})
+    again = algo.client_update(ctx, moved, batches, state, {}, rec)
     for k in w:
         assert torch.equal(again.state[f"theta.{k}"], theta[k])
 
 
 def test_coupling_pulls_theta_towards_the_server_mean() -> None:
-    ctx, w, batches, state = _client_inputs(seen=1.0)
+    ctx, w, batches, state, rec = _client_inputs(seen=1.0)
     out = PerFedMAML(alpha=0.1, beta=0.2, lam=0.7, local_steps=2, batch_size=4).client_update(
-        ctx, w, batches, state, {}
+        ctx, w, batches, state, {}, rec
     )
     expected = _maml_steps(ctx, {k: state[f"theta.{k}"] for k in w}, w, batches, 0.1, 0.2, 0.7)
     for k in w:
         torch.testing.assert_close(out.state[f"theta.{k}"], expected[k], atol=1e-7, rtol=0)
-    assert float(out.state["seen"]) == 1.0 and float(out.state["p"]) == 0.25
+    assert set(out.state) == {f"theta.{k}" for k in w}  # seen and p come from the client's record
 
 
 def test_a_client_that_never_trained_starts_from_the_server_mean() -> None:
-    ctx, w, batches, state = _client_inputs(seen=0.0)
+    ctx, w, batches, state, rec = _client_inputs(seen=0.0)
     algo = PerFedMAML(alpha=0.1, beta=0.2, lam=0.7, local_steps=2, batch_size=4)
-    out = algo.client_update(ctx, w, batches, state, {})
+    out = algo.client_update(ctx, w, batches, state, {}, rec)
     expected = _maml_steps(ctx, w, w, batches, 0.1, 0.2, 0.7)
     for k in w:
         torch.testing.assert_close(out.state[f"theta.{k}"], expected[k], atol=1e-7, rtol=0)
         torch.testing.assert_close(out.extras[f"sum.{k}"], 0.25 * expected[k], atol=1e-7, rtol=0)
-        assert torch.equal(algo.personal_start(w, state, {})[k], w[k])
+        assert torch.equal(algo.personal_start(w, state, {}, rec)[k], w[k])
     assert float(out.extras["total"]) == 0.25
 
 
 def test_invalid_hyper_parameters_raise_with_value() -> None:
     with pytest.raises(ValueError, match=r"lam must be >= 0, got -0.1"):
         PerFedMAML(lam=-0.1)
-    with pytest.raises(ValueError, match=r"center_weights must be 'samples' or 'uniform', got 'clients'"):
-        PerFedMAML(center_weights="clients")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"beta must be >= 0, got -1"):
+        PerFedMAML(beta=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,8 +135,8 @@ def test_invalid_hyper_parameters_raise_with_value() -> None:
 def test_global_model_is_the_sample_weighted_mean_of_the_trained_clients() -> None:
     module = _train(steps=4, holdout_clients=1)
     store = module.client_states.tensors
-    seen = store["seen"] > 0
-    assert bool(seen.any()) and not bool(seen[module.holdout].any())
+    seen = module.seen
+    assert bool(seen.any()) and not bool(seen.all()) and not bool(seen[module.holdout].any())
     counts = module.data.train_counts.to(torch.float32) * seen
     weights = counts / counts.sum()
     for name, p in module.model.named_parameters():
@@ -178,6 +177,7 @@ def test_resume_from_a_checkpoint_is_bit_exact(tmp_path: Path) -> None:
     assert rounds.rounds == [3, 4, 5]
     assert not torch.equal(_flat(first.model), _flat(resumed.model))
     assert torch.equal(_flat(straight.model), _flat(resumed.model))
+    assert torch.equal(straight.seen, resumed.seen)
     assert straight.client_states.keys() == resumed.client_states.keys()
     for k, v in straight.client_states.tensors.items():
         assert torch.equal(v, resumed.client_states.tensors[k])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from conftest import one_client
 from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
@@ -78,7 +79,7 @@ def test_evaluation_model_is_one_full_batch_sgd_step_at_alpha() -> None:
     batch = Batch(torch.randn(1, 1, 10, 5, generator=g), torch.randint(0, 3, (1, 1, 10), generator=g),
                   torch.ones(1, 1, 10))
     w = {n: p.detach() for n, p in model.named_parameters()}
-    personal = algo.personalize(ctx, w, batch, {}, {})
+    personal = algo.personalize(ctx, w, batch, {}, {}, one_client())
     expected, _ = ctx.sgd_step(w, batch.at(0, 0), 0.07)
     for k in w:
         assert torch.equal(personal[k], expected[k])

@@ -45,7 +45,7 @@ class {cls}(Algorithm):
 
     marker = "{marker}"
 
-    def client_update(self, ctx, params, batches, state, server_state):
+    def client_update(self, ctx, params, batches, state, server_state, client):
         return ClientOutput({{k: v * 0 for k, v in params.items()}}, state, {{}}, {{}})
 '''
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_data
+from conftest import one_client, tiny_data
 from torch import nn
 from torch.func import grad
 
-from lightning_fedmeta import FederatedModule
+from lightning_fedmeta import ClientRecord, FederatedModule
 from lightning_fedmeta.algorithms.shared_representation import FedPer, FedRep, head_names
 from lightning_fedmeta.functional import Batch, ClientContext
 
@@ -31,16 +31,13 @@ def _run_rounds(module: FederatedModule, rounds: int) -> None:
     """What ``training_step`` does with ``SGD(lr=1)``: w ← w + Δ, then the states are written back."""
     for r in range(rounds):
         sampled, out, weights = module.compute_round(r)
-        for k in ("2.weight", "2.bias"):
-            assert torch.equal(out.delta[k], torch.zeros_like(out.delta[k])), "a head was uploaded"
         delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, int(module.eligible.numel())
+            module._global_params(), out, weights, module.server_state, module.records(sampled)
         )
         with torch.no_grad():
             for name, p in module.model.named_parameters():
                 p.add_(delta[name])
-        module.client_states.scatter(sampled, out.state)
-        module.server_state = server_state
+        module.commit_round(sampled, out, server_state)
 
 
 def test_default_head_is_the_last_layer() -> None:
@@ -55,7 +52,7 @@ def test_default_head_is_the_last_layer() -> None:
 
 
 @pytest.mark.parametrize("algorithm", [FEDREP, FEDPER], ids=["fedrep", "fedper"])
-def test_body_is_shared_heads_stay_personal_and_are_never_aggregated(algorithm: dict) -> None:
+def test_body_is_shared_heads_stay_personal_and_the_global_head_is_their_mean(algorithm: dict) -> None:
     module = _module(algorithm, "vmap", clients_per_round=6)
     module.attach_data(tiny_data())
     init = {k: v.clone() for k, v in module._global_params().items()}
@@ -63,16 +60,39 @@ def test_body_is_shared_heads_stay_personal_and_are_never_aggregated(algorithm: 
     params = module._global_params()
     alg = module.algorithm
     states = module.client_states.tensors
-    models = [alg.personal_start(params, {k: v[c] for k, v in states.items()}, {}) for c in range(6)]
+    records = module.records(torch.arange(6))
+    models = [
+        alg.personal_start(params, {k: v[c] for k, v in states.items()}, {}, ClientRecord(*(t[c] for t in records)))
+        for c in range(6)
+    ]
     for k in ("0.weight", "0.bias"):
         assert not torch.equal(params[k], init[k]), "the body was not trained"
         for m in models:
             assert torch.equal(m[k], params[k])
+    p = module.client_weight.float()
     for k in ("2.weight", "2.bias"):
-        assert torch.equal(params[k], init[k]), "the global head changed: heads were aggregated"
-        assert all(torch.equal(m[k], states[f"head.{k}"][c]) for c, m in enumerate(models))
+        assert all(torch.equal(m[k], states[f"head.{k}"][c]) for c, m in enumerate(models)), "own head not used"
+        # full participation, server lr 1: the global head is the p-weighted mean of the clients' heads
+        torch.testing.assert_close(params[k], torch.tensordot(p, states[f"head.{k}"], dims=1), atol=1e-6, rtol=0)
     heads = states["head.2.weight"]
     assert (heads - heads[0]).abs().amax(dim=(1, 2))[1:].min() > 1e-4, "heads should differ between clients"
+
+
+@pytest.mark.parametrize("algorithm", [FEDREP, FEDPER], ids=["fedrep", "fedper"])
+def test_a_client_that_never_trained_uses_the_mean_head_not_its_initial_one(algorithm: dict) -> None:
+    module = _module(algorithm, "vmap", clients_per_round=2)
+    module.attach_data(tiny_data())
+    _run_rounds(module, 1)
+    never = int((~module.seen).nonzero()[0, 0])
+    params = module._global_params()
+    state = {k: v[never] for k, v in module.client_states.tensors.items()}
+    record = ClientRecord(*(t[0] for t in module.records(torch.tensor([never]))))
+    start = module.algorithm.personal_start(params, state, {}, record)
+    for k in ("2.weight", "2.bias"):
+        assert torch.equal(start[k], params[k])
+        assert not torch.equal(start[k], state[f"head.{k}"]), "the test needs the initial head to differ"
+    personal = module.personalize(never)
+    assert torch.equal(personal.state_dict()["2.weight"], params["2.weight"])
 
 
 def _ctx_params_batches() -> tuple[ClientContext, dict[str, torch.Tensor], Batch]:
@@ -88,7 +108,7 @@ def test_fedrep_trains_head_with_body_fixed_then_body_with_head_fixed() -> None:
     ctx, params, batches = _ctx_params_batches()
     alg = FedRep(head_steps=2, local_steps=2, local_lr=0.3)
     state = {k: v + 0.1 for k, v in alg.init_client_state(params).items()}
-    out = alg.client_update(ctx, params, batches, state, {})
+    out = alg.client_update(ctx, params, batches, state, {}, one_client(seen=True))
 
     body = {k: params[k] for k in ("0.weight", "0.bias")}
     head = {k: state[f"head.{k}"] for k in ("2.weight", "2.bias")}
@@ -108,7 +128,7 @@ def test_fedper_trains_body_and_head_jointly() -> None:
     ctx, params, batches = _ctx_params_batches()
     alg = FedPer(local_steps=3, local_lr=0.3)
     state = {k: v + 0.1 for k, v in alg.init_client_state(params).items()}
-    out = alg.client_update(ctx, params, batches, state, {})
+    out = alg.client_update(ctx, params, batches, state, {}, one_client(seen=True))
     w = {**params, **{k: state[f"head.{k}"] for k in ("2.weight", "2.bias")}}
     for t in range(3):
         w, _ = ctx.sgd_step(w, batches.at(t, 0), 0.3)

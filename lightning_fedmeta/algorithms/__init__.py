@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord
 
 if TYPE_CHECKING:
     from lightning_fedmeta.algorithms.cfl import CFL
@@ -38,11 +38,11 @@ _MODULE_OF = {
 }
 
 __all__ = [
-    "Algorithm", "BatchPlan", "ClientOutput",
+    "Algorithm", "BatchPlan", "ClientOutput", "ClientRecord",
     "CFL", "Ditto", "FedAvg", "FedMAML", "FedPer", "FedProx", "FedRep", "IFCA", "MTLGraph", "MTLMean",
     "MTLPairwise", "Mocha", "PerFedAvg", "PerFedMAML", "Reptile", "Scaffold",
 ]
-assert set(__all__) == {"Algorithm", "BatchPlan", "ClientOutput", *_MODULE_OF}
+assert set(__all__) == {"Algorithm", "BatchPlan", "ClientOutput", "ClientRecord", *_MODULE_OF}
 
 
 def __getattr__(name: str) -> Any:

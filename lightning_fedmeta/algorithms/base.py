@@ -2,21 +2,24 @@
 
 An algorithm is hyper-parameters plus pure functions:
 
-* ``client_update(ctx, w, batches, state_i, server_state) -> ClientOutput`` — client ``i``'s
-  local procedure for one round. ``batches`` holds every mini-batch the client draws this round,
-  shaped ``[local_steps, batches_per_step, B, ...]`` (see :class:`BatchPlan`); ``state_i`` is its
-  row of the client state store. The same function runs looped over clients or under
-  ``torch.func.vmap`` across them, so it must be written with tensor operations only (no
-  ``.item()``, no data-dependent Python branching on tensor values).
-* ``aggregate(w, outputs, weights, server_state, num_clients) -> (Δ, server_state)`` — the
-  server's combination of the stacked client outputs; ``weights`` sum to 1. The loop turns ``Δ``
-  into the pseudo-gradient ``−Δ`` and lets a ``torch.optim`` optimizer take the step
-  (``w ← w + β Δ`` for SGD with learning rate β).
-* ``personalize(ctx, w, batches, state_i, server_state) -> w_i`` — the model client ``i`` is
-  evaluated with (the global model, a fine-tuned copy, a personal model, a cluster model).
+* ``client_update(ctx, w, batches, state_i, server_state, client) -> ClientOutput`` — client
+  ``i``'s local procedure for one round. ``batches`` holds every mini-batch the client draws this
+  round, shaped ``[local_steps, batches_per_step, B, ...]`` (see :class:`BatchPlan`); ``state_i``
+  is its row of the client state store; ``client`` is its :class:`ClientRecord` (index,
+  aggregation weight, held out or not, trained before or not). The same function runs looped over
+  clients or under ``torch.func.vmap`` across them, so it must be written with tensor operations
+  only (no ``.item()``, no data-dependent Python branching on tensor values).
+* ``aggregate(w, outputs, weights, server_state, clients) -> (Δ, server_state)`` — the server's
+  combination of the stacked client outputs; ``weights`` are the round's weights (sum to 1 over
+  the sampled clients) and ``clients`` their stacked records. The loop turns ``Δ`` into the
+  pseudo-gradient ``−Δ`` and lets a ``torch.optim`` optimizer take the step (``w ← w + β Δ`` for
+  SGD with learning rate β).
+* ``personalize(ctx, w, batches, state_i, server_state, client) -> w_i`` — the model client ``i``
+  is evaluated with (the global model, a fine-tuned copy, a personal model, a cluster model).
 
-The loop never lets an algorithm see the Trainer, the device or the precision (DESIGN.md,
-contract 4).
+A client is known by its explicit record, never inferred from shapes or counts (docs/design.md,
+contract 9). The loop never lets an algorithm see the Trainer, the device or the precision
+(docs/design.md, contract 4).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+import torch
 from torch import Tensor
 
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
@@ -33,9 +37,12 @@ __all__ = [
     "Algorithm",
     "BatchPlan",
     "ClientOutput",
+    "ClientRecord",
+    "client_records",
     "check_positive",
     "check_non_negative",
     "check_range",
+    "started_from",
     "weighted_mean_metrics",
 ]
 
@@ -56,6 +63,59 @@ class ClientOutput(NamedTuple):
     state: dict[str, Tensor]
     extras: dict[str, Tensor]
     metrics: dict[str, Tensor]
+
+
+class ClientRecord(NamedTuple):
+    """Who a client is, passed explicitly by the loop (a pytree of 0-d tensors per client; stacked
+    ``[C]`` when it describes several clients, e.g. in :meth:`Algorithm.aggregate`).
+
+    Attributes:
+        index: int64, the client's row in the federation (its row of the client state store);
+            ``-1`` for a client outside the federation (``FederatedModule.personalize((x, y))``).
+        weight: float64, the client's weight ``p_i`` in the training objective ``Σ_i p_i F_i``:
+            ``n_i / Σ_j n_j`` (``aggregation="samples"``) or ``1/N`` (``"uniform"``) over the N
+            *training* clients, so the training clients' weights sum to 1; 0 for a held-out client.
+        is_new: bool, the client is held out of training (or outside the federation): it is
+            evaluated as a new client.
+        seen: bool, the client has taken part in at least one completed round. Personal parts of
+            a client that has not (its personal model, head, dual variables) are not trained yet:
+            algorithms start them from the current global, cluster or mean model.
+        num_samples: int64, the client's number of training samples ``n_i``.
+    """
+
+    index: Tensor
+    weight: Tensor
+    is_new: Tensor
+    seen: Tensor
+    num_samples: Tensor
+
+
+def client_records(
+    num_samples: Tensor | list[int],
+    weight: Tensor | list[float] | None = None,
+    is_new: Tensor | list[bool] | None = None,
+    seen: Tensor | list[bool] | None = None,
+    index: Tensor | list[int] | None = None,
+) -> ClientRecord:
+    """Stacked records of ``C`` clients (for tests and direct calls of an algorithm's functions).
+
+    Defaults: indices ``0..C-1``, nobody held out, nobody seen, and weights ``∝ num_samples`` over
+    the clients that are not new (0 for new clients).
+    """
+    n = torch.as_tensor(num_samples, dtype=torch.long).reshape(-1)
+    new = torch.zeros(n.numel(), dtype=torch.bool) if is_new is None else torch.as_tensor(is_new, dtype=torch.bool)
+    if weight is None:
+        counts = n.to(torch.float64) * (~new).to(torch.float64)
+        w = counts / counts.sum().clamp_min(1.0)
+    else:
+        w = torch.as_tensor(weight, dtype=torch.float64).reshape(-1)
+    return ClientRecord(
+        index=torch.arange(n.numel(), dtype=torch.long) if index is None else torch.as_tensor(index, dtype=torch.long),
+        weight=w,
+        is_new=new,
+        seen=torch.zeros(n.numel(), dtype=torch.bool) if seen is None else torch.as_tensor(seen, dtype=torch.bool),
+        num_samples=n,
+    )
 
 
 @dataclass(frozen=True)
@@ -148,9 +208,10 @@ class Algorithm(ABC):
     # ------------------------------------------------------------------------------------------
     # state
     # ------------------------------------------------------------------------------------------
-    def bind_clients(self, train_counts: Tensor, label_counts: Tensor) -> None:  # noqa: B027
-        """Called once by the loop, before any state is initialised, with every client's number of
-        training samples ``[K]`` and training label histogram ``[K, C]``. Default: nothing."""
+    def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:  # noqa: B027
+        """Called once by the loop, before any state is initialised, with the stacked records of all
+        ``K`` clients (held-out ones included: ``is_new``, weight 0) and every client's training label
+        histogram ``[K, C]``. Default: nothing."""
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """Global tensors the server keeps between rounds (checkpointed). Default: none."""
@@ -160,14 +221,15 @@ class Algorithm(ABC):
         """Initial state of ONE client (one row of the store). Default: none."""
         return {}
 
-    def init_client_states(self, params: Params, train_counts: Tensor) -> dict[str, Tensor]:
-        """Initial state of all ``K = len(train_counts)`` clients, stacked along axis 0.
+    def init_client_states(self, params: Params, clients: ClientRecord) -> dict[str, Tensor]:
+        """Initial state of the clients described by the stacked ``clients`` records, along axis 0
+        (all ``K`` clients at setup; one client outside the federation for ``personalize((x, y))``).
 
         Default: :meth:`init_client_state` copied for every client. Override when the state
-        depends on the client (e.g. one dual variable per training sample).
+        depends on the client (e.g. one dual variable per training sample: ``clients.num_samples``).
         """
         one = self.init_client_state(params)
-        k = int(train_counts.numel())
+        k = int(clients.index.numel())
         return {name: t.unsqueeze(0).repeat(k, *([1] * t.dim())) for name, t in one.items()}
 
     # ------------------------------------------------------------------------------------------
@@ -181,6 +243,7 @@ class Algorithm(ABC):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         """One client's local procedure for one round (pure; see the module docstring)."""
 
@@ -190,9 +253,13 @@ class Algorithm(ABC):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
-        """Combine the stacked outputs of the sampled clients: ``Δ = Σ_i p_i Δ_i`` by default."""
+        """Combine the stacked outputs of the sampled clients: ``Δ = Σ_i p_i Δ_i`` by default.
+
+        ``weights`` are the round's weights (the sampled clients' ``p_i`` renormalised to sum to 1);
+        ``clients`` are the sampled clients' stacked records (``clients.weight`` holds the global ``p_i``).
+        """
         return tree_weighted_sum(outputs.delta, weights), server_state
 
     # ------------------------------------------------------------------------------------------
@@ -205,10 +272,11 @@ class Algorithm(ABC):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> Params:
         """The model client ``i`` is evaluated with: ``finetune_steps`` SGD steps from
         :meth:`personal_start` on the batches of :meth:`eval_plan`."""
-        return self.finetune(ctx, self.personal_start(params, state, server_state), batches)
+        return self.finetune(ctx, self.personal_start(params, state, server_state, client), batches)
 
     def finetune(self, ctx: ClientContext, w: Params, batches: Batch, steps: int | None = None) -> Params:
         """``steps`` SGD steps ``w ← w − finetune_lr ∇f(w; batches[t, 0])`` (default: one per batch)."""
@@ -217,10 +285,16 @@ class Algorithm(ABC):
         return w
 
     def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> Params:
         """The model a client starts its evaluation-time adaptation from. Default: the global one."""
         return params
+
+    #: whether the server optimizer's step is the whole server update. Algorithms that keep models
+    #: outside the module's parameters (cluster models, personal models tracked by their mean, task
+    #: models) set this to False; the loop then refuses a server optimizer other than SGD(lr=1)
+    #: with a message instead of letting FedAdam/FedYogi silently do nothing to those models.
+    server_optimizer_applies: ClassVar[bool] = True
 
     # ------------------------------------------------------------------------------------------
     def hparams(self) -> dict[str, object]:
@@ -236,3 +310,14 @@ class Algorithm(ABC):
 def weighted_mean_metrics(metrics: dict[str, Tensor], weights: Tensor) -> dict[str, Tensor]:
     """``Σ_i p_i m_i`` for each stacked per-client scalar metric."""
     return {k: (v.to(weights.dtype) * weights).sum() for k, v in metrics.items()}
+
+
+def started_from(
+    client: ClientRecord, personal: dict[str, Tensor], fallback: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """``personal`` for a client that has trained (``client.seen``), ``fallback`` otherwise (vmap-safe).
+
+    Personal parts of a never-trained client are still their initialisation: algorithms use it to
+    start them, and to evaluate them, from the current global (cluster, mean) model instead.
+    """
+    return {k: torch.where(client.seen, v, fallback[k]) for k, v in personal.items()}

@@ -8,7 +8,9 @@ Bi-level objective:  global  min_w G(F_1(w), …, F_K(w))  (FedAvg's objective h
 Round t, sampled client k receiving the global model wᵗ:
     global part (FedAvg):   w_k ← w_k − η ∇F_k(w_k; Dₜ),  τ steps from w_k = wᵗ;  uploads Δ_k = w_k − wᵗ
     personal part:          v_k ← v_k − η_p (∇F_k(v_k; Dₜ) + λ (v_k − wᵗ)),  s steps from its stored v_k
-Server:  wᵗ⁺¹ = wᵗ + β Σ_{k∈S} p_k Δ_k.   Clients are evaluated with v_k (new clients: the global model).
+Server:  wᵗ⁺¹ = wᵗ + β Σ_{k∈S} p_k Δ_k.   Clients are evaluated with v_k. A client that has never
+trained (never sampled yet, or held out) has no personal model yet: its v_k starts from, and it is
+evaluated with, the current global model wᵗ.
 λ = 0: v_k is purely local SGD (independent of w); λ → ∞: v_k → w (one shared model).
 """
 
@@ -16,7 +18,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, check_non_negative
+from lightning_fedmeta.algorithms.base import (
+    Algorithm,
+    BatchPlan,
+    ClientOutput,
+    ClientRecord,
+    check_non_negative,
+    started_from,
+)
 from lightning_fedmeta.algorithms.regularized import pack_personal, personal_model, prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
@@ -40,7 +49,8 @@ class Ditto(Algorithm):
             :class:`~lightning_fedmeta.algorithms.base.Algorithm` (fine-tuning starts from v_k).
 
     Each round a client draws ``τ + s`` mini-batches: the first τ for the global model, the last s
-    for its personal model. Client state: ``v.<name>``, the personal model (initially the global one).
+    for its personal model. Client state: ``v.<name>``, the personal model (read only once the client
+    has trained: before that, its personal model is the current global one).
     """
 
     name = "ditto"
@@ -83,9 +93,10 @@ class Ditto(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         w_local, loss = prox_sgd(ctx, params, batches, self.local_lr, 0.0, params, 0, self.local_steps)
-        v = personal_model(state, params, PERSONAL)
+        v = started_from(client, personal_model(state, params, PERSONAL), params)
         v_new, personal_loss = prox_sgd(
             ctx, v, batches, self.personal_lr, self.lam, params, self.local_steps, self.personal_steps
         )
@@ -96,6 +107,8 @@ class Ditto(Algorithm):
             metrics={"loss": loss, "personal_loss": personal_loss},
         )
 
-    def personal_start(self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]) -> Params:
-        """Client ``k`` is evaluated with its personal model ``v_k``."""
-        return personal_model(state, params, PERSONAL)
+    def personal_start(
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
+    ) -> Params:
+        """Client ``k`` is evaluated with its personal model ``v_k`` (the global model until it has trained)."""
+        return started_from(client, personal_model(state, params, PERSONAL), params)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["FedAvg", "local_sgd"]
@@ -41,6 +41,7 @@ class FedAvg(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         w, loss = local_sgd(ctx, params, batches, self.local_lr)
         return ClientOutput(tree_sub(w, params), state, {}, {"loss": loss})

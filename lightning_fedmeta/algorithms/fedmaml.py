@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, check_non_negative
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_scale
 
 __all__ = ["FedMAML", "maml_meta_gradient", "split_support_query"]
@@ -115,6 +115,7 @@ class FedMAML(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         steps = batches.x.shape[0]
         total: Params | None = None

@@ -50,8 +50,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import BatchPlan, ClientOutput, check_non_negative, check_range
-from lightning_fedmeta.algorithms.clustering import ClientIndexing, one_hot
+from lightning_fedmeta.algorithms.base import (
+    Algorithm,
+    BatchPlan,
+    ClientOutput,
+    ClientRecord,
+    check_non_negative,
+    check_range,
+)
+from lightning_fedmeta.algorithms.clustering import one_hot
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["Mocha", "covariance_update", "dual_scaling"]
@@ -94,7 +101,7 @@ def dual_scaling(sigma: Tensor, lambda1: float, lambda2: float, floor: float = 1
     return m, sigma_prime
 
 
-class Mocha(ClientIndexing):
+class Mocha(Algorithm):
     """MOCHA: federated multi-task learning of linear models by distributed dual coordinate ascent.
 
     Args:
@@ -111,6 +118,7 @@ class Mocha(ClientIndexing):
 
     name = "mocha"
     summary = "MOCHA: federated multi-task linear models by dual coordinate ascent (Smith et al., 2017)"
+    server_optimizer_applies = False
 
     def __init__(
         self,
@@ -193,16 +201,23 @@ class Mocha(ClientIndexing):
     def eval_plan(self) -> BatchPlan:
         return BatchPlan(steps=0, per_step=1, batch_size=None)
 
-    def init_client_states(self, params: Params, train_counts: Tensor) -> dict[str, Tensor]:
-        ids = self.client_ids(train_counts)
+    def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:
+        """Record the tasks: one per client; the training clients' weights p_t (0 for held-out clients)."""
+        self._weights = clients.weight.detach().cpu().to(torch.float64)
+        self._training = ~clients.is_new.detach().cpu()
+
+    def init_client_states(self, params: Params, clients: ClientRecord) -> dict[str, Tensor]:
+        """The dual variables ``α_t`` of every client's samples, zero, padded to the largest client."""
         wk, _ = self._linear_keys(params)
-        width = self._population_width if (ids < 0).any() else int(train_counts.max())
+        width = int(clients.num_samples.max()) if clients.num_samples.numel() else 0
         classes = params[wk].shape[0]
-        alpha = torch.zeros((ids.numel(), int(width or 0), classes), dtype=params[wk].dtype)
-        return {"client_id": ids, "alpha": alpha}
+        return {"alpha": torch.zeros((clients.index.numel(), width, classes), dtype=params[wk].dtype)}
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
-        k = self.population()
+        if getattr(self, "_weights", None) is None:
+            raise RuntimeError("Mocha.init_server_state needs bind_clients(clients, label_counts) first "
+                               "(FederatedModule.attach_data calls it)")
+        k = int(self._weights.numel())
         wk, _ = self._linear_keys(params)
         dtype = params[wk].dtype
         shape = (k, *self._from_params(params).shape)
@@ -210,6 +225,8 @@ class Mocha(ClientIndexing):
         return self._with_sigma(
             {
                 "V": torch.zeros(shape, dtype=dtype),
+                "p": self._weights.to(dtype),
+                "training": self._training.clone(),
                 "round": torch.tensor(0, dtype=torch.long),
                 "gap": torch.zeros(k, dtype=dtype),
                 "duality_gap": torch.tensor(float("inf"), dtype=dtype),
@@ -257,6 +274,7 @@ class Mocha(ClientIndexing):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         batch = batches.at(0, 0)
         x = self._features(batch.x, params)  # [B, D]
@@ -264,7 +282,7 @@ class Mocha(ClientIndexing):
         alpha = state["alpha"]  # [B, C]
         classes = alpha.shape[1]
         ypm = 2.0 * (batch.y.unsqueeze(1) == torch.arange(classes, device=x.device)).to(x.dtype) - 1.0
-        cid = state["client_id"]
+        cid = client.index
         k = server_state["M"].shape[0]
         mine = one_hot(cid, k, x.dtype)
         w = torch.tensordot(mine, server_state["W"], dims=1)  # [C, D]
@@ -312,8 +330,8 @@ class Mocha(ClientIndexing):
 
         return ClientOutput(
             delta={name: torch.zeros_like(p) for name, p in params.items()},
-            state={"client_id": cid, "alpha": alpha},
-            extras={"client_id": cid, "dv": delta, "gap": gap},
+            state={"alpha": alpha},
+            extras={"dv": delta, "gap": gap},
             metrics={"loss": local_loss / n / classes, "gap": gap},
         )
 
@@ -324,9 +342,9 @@ class Mocha(ClientIndexing):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
-        ids = outputs.extras["client_id"]
+        ids = clients.index
         state = dict(server_state)
         state["V"] = server_state["V"].index_add(0, ids, outputs.extras["dv"].to(server_state["V"].dtype))
         state["gap"] = server_state["gap"].index_copy(0, ids, outputs.extras["gap"].to(server_state["gap"].dtype))
@@ -336,15 +354,26 @@ class Mocha(ClientIndexing):
         sigma = server_state["Sigma"]
         if self.omega_every > 0 and rounds_done % self.omega_every == 0:
             w_now = 0.5 * torch.einsum("ts,s...->t...", server_state["M"], state["V"])
-            sigma = covariance_update(w_now.reshape(w_now.shape[0], -1))
+            sigma = self._task_covariance(w_now.reshape(w_now.shape[0], -1), server_state["training"])
         state = self._with_sigma(state, sigma)
-        mean_model = self._to_params(state["W"].mean(0), params)
+        mean_model = self._to_params(self._mean_task_model(state), params)
         return {name: mean_model[name].to(p.dtype) - p for name, p in params.items()}, state
 
-    # -- evaluation ----------------------------------------------------------------------------
-    def task_models(self, params: Params, server_state: dict[str, Tensor]) -> Params:
-        """Every client's linear model as parameters stacked ``[K, ...]``."""
-        return self._to_params(server_state["W"], params)
+    @staticmethod
+    def _task_covariance(w_flat: Tensor, training: Tensor) -> Tensor:
+        """Σ estimated from the training clients' task models only, block-diagonal with ``I/K`` for held-out
+        clients: their tasks have no data, so they stay decoupled (zero models) and never bias Σ."""
+        k = w_flat.shape[0]
+        idx = training.nonzero().flatten().to(w_flat.device)
+        sigma = torch.eye(k, dtype=torch.float64, device=w_flat.device) / k
+        block = covariance_update(w_flat.index_select(0, idx))
+        sigma[idx.unsqueeze(1), idx.unsqueeze(0)] = block
+        return sigma
+
+    @staticmethod
+    def _mean_task_model(server_state: dict[str, Tensor]) -> Tensor:
+        """``Σ_t p_t w_t`` over the training clients: the model of a new client and the module's global model."""
+        return torch.tensordot(server_state["p"].to(server_state["W"].dtype), server_state["W"], dims=1)
 
     def personalize(
         self,
@@ -353,10 +382,11 @@ class Mocha(ClientIndexing):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> Params:
-        """Client t's own w_t; a client unknown to the server (held out) gets the mean of the task models."""
-        cid = state["client_id"]
+        """Client t's own w_t; a new (held-out) client the weighted mean of the training clients' task
+        models ``Σ_s p_s w_s`` (MOCHA learns no model for a task without data)."""
         k = server_state["W"].shape[0]
-        known = (cid >= 0).to(server_state["W"].dtype)
-        mine = one_hot(cid, k, server_state["W"].dtype) * known + (1.0 - known) / k
-        return self._to_params(torch.tensordot(mine, server_state["W"], dims=1), params)
+        mine = torch.tensordot(one_hot(client.index, k, server_state["W"].dtype), server_state["W"], dims=1)
+        w = torch.where(client.is_new, self._mean_task_model(server_state), mine)
+        return self._to_params(w, params)

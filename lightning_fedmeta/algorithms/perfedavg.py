@@ -28,6 +28,7 @@ from lightning_fedmeta.algorithms.base import (
     Algorithm,
     BatchPlan,
     ClientOutput,
+    ClientRecord,
     check_non_negative,
     check_positive,
 )
@@ -122,6 +123,7 @@ class PerFedAvg(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         w = params
         losses, meta_losses = [], []

@@ -1,7 +1,8 @@
 """PerFedMAML: MAML with per-client initialisations coupled to a server mean.
 
 Every client i keeps its own meta-initialisation θ_i (in the client state store) and the
-server keeps their weighted mean θ̄ = Σ_i p_i θ_i (p_i ∝ n_i, or uniform), the global model.
+server keeps their weighted mean θ̄ = Σ_i p_i θ_i over the training clients (p_i = the client's
+weight ``client.weight``: ∝ n_i, or uniform, by the module's ``aggregation``), the global model.
 The clients jointly minimise
     Σ_i p_i [ L_i(θ_i − α∇L_i(θ_i)) + λ ‖θ_i − θ̄‖² ],
 a MAML objective per client (Finn, Abbeel, Levine, ICML 2017) with the mean-regularised
@@ -14,21 +15,27 @@ sampled, client i takes τ meta-steps (default 1), each on a fresh support/query
 λ = 0 is independent per-client MAML.  The server updates θ̄ to the weighted mean of every
 client's current θ_i: it keeps S = Σ_{i seen} p_i θ_i and P = Σ_{i seen} p_i (server state),
 adds the sampled clients' changes p_i (θ_i^new − θ_i^old) (and p_i θ_i, p_i for a client's first
-round), and sets θ̄ = S / P.  A client that has never trained (including held-out clients)
-starts from the current θ̄, so θ̄ is also the weighted mean over *all* clients when an untrained
-client's θ_i is read as θ̄.  With the module's ``server_lr = 1`` (required for this reading) the
-global model equals θ̄ exactly.  A client is evaluated after ``finetune_steps`` (default 1) SGD
+round, known from its record's ``seen``), and sets θ̄ = S / P.  A client that has never
+trained (including held-out clients, whose p_i is 0) starts from the current θ̄, so θ̄ is also
+the weighted mean over *all* training clients when an untrained client's θ_i is read as θ̄.
+With the module's ``server_lr = 1`` (enforced: ``server_optimizer_applies = False``) the global
+model equals θ̄ exactly.  A client is evaluated after ``finetune_steps`` (default 1) SGD
 steps at rate α from its own θ_i (from θ̄ if it never trained).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, check_non_negative
+from lightning_fedmeta.algorithms.base import (
+    Algorithm,
+    BatchPlan,
+    ClientOutput,
+    ClientRecord,
+    check_non_negative,
+    started_from,
+)
 from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
@@ -50,7 +57,6 @@ class PerFedMAML(Algorithm):
         lam: λ, the coupling strength, ``>= 0`` (0 = independent per-client MAML). The coupling
             step contracts θ_i − θ̄ by ``1 − 2λβ``, so keep ``2λβ < 1``.
         second_order: use the exact MAML gradient (one Hessian-vector product per step).
-        center_weights: p_i of θ̄: ``"samples"`` (∝ training samples) or ``"uniform"``.
         local_steps: τ, meta-steps a sampled client takes per round.
         batch_size: B, the size of each of D^tr and D^val (a batch of 2B is drawn and split);
             ``None`` = the client's whole training set, split in two.
@@ -60,6 +66,7 @@ class PerFedMAML(Algorithm):
     """
 
     name = "perfedmaml"
+    server_optimizer_applies = False
     summary = "PerFedMAML: per-client MAML initialisations θ_i with λ‖θ_i − θ̄‖² coupling to their mean"
 
     def __init__(
@@ -68,7 +75,6 @@ class PerFedMAML(Algorithm):
         beta: float = 0.05,
         lam: float = 0.5,
         second_order: bool = False,
-        center_weights: Literal["samples", "uniform"] = "samples",
         local_steps: int = 1,
         batch_size: int | None = 32,
         finetune_steps: int = 1,
@@ -78,8 +84,6 @@ class PerFedMAML(Algorithm):
         check_non_negative("alpha", alpha)
         check_non_negative("beta", beta)
         check_non_negative("lam", lam)
-        if center_weights not in ("samples", "uniform"):
-            raise ValueError(f"center_weights must be 'samples' or 'uniform', got {center_weights!r}")
         super().__init__(
             local_steps, beta, batch_size, finetune_steps, alpha if finetune_lr is None else finetune_lr,
             finetune_batch_size,
@@ -88,7 +92,6 @@ class PerFedMAML(Algorithm):
         self.beta = beta
         self.lam = lam
         self.second_order = bool(second_order)
-        self.center_weights = center_weights
 
     def round_plan(self) -> BatchPlan:
         """τ batches of 2B samples, each split into D^tr and D^val (as :class:`FedMAML`)."""
@@ -96,16 +99,9 @@ class PerFedMAML(Algorithm):
         return BatchPlan(steps=self.local_steps, per_step=1, batch_size=size)
 
     # -- state ---------------------------------------------------------------------------------
-    def init_client_states(self, params: Params, train_counts: Tensor) -> dict[str, Tensor]:
-        """θ_i = the global model, ``seen = 0`` (never trained) and p_i (``[K]``, summing to 1)."""
-        k = int(train_counts.numel())
-        counts = train_counts.to(torch.float32)
-        weights = counts if self.center_weights == "samples" else torch.ones_like(counts)
-        states = {_THETA + n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())) for n, v in params.items()}
-        ref = next(iter(params.values()))
-        states["seen"] = torch.zeros(k, dtype=ref.dtype, device=ref.device)
-        states["p"] = (weights / weights.sum()).to(dtype=ref.dtype, device=ref.device)
-        return states
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        """θ_i, read only once the client has trained (``client.seen``); a copy of the global model."""
+        return {_THETA + n: v.detach().clone() for n, v in params.items()}
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """S = Σ_{i seen} p_i θ_i and P = Σ_{i seen} p_i, both zero before the first round."""
@@ -114,10 +110,11 @@ class PerFedMAML(Algorithm):
         state["total"] = torch.zeros((), dtype=ref.dtype, device=ref.device)
         return state
 
-    def personal_start(self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]) -> Params:
+    def personal_start(
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
+    ) -> Params:
         """θ_i for a client that has trained, θ̄ (the global model) otherwise."""
-        seen = state["seen"] > 0
-        return {k: torch.where(seen, state[_THETA + k], v) for k, v in params.items()}
+        return started_from(client, {k: state[_THETA + k] for k in params}, params)
 
     # -- client and server ---------------------------------------------------------------------
     def client_update(
@@ -127,8 +124,9 @@ class PerFedMAML(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
-        theta_old = self.personal_start(params, state, server_state)
+        theta_old = self.personal_start(params, state, server_state, client)
         theta = theta_old
         losses, meta_losses = [], []
         for t in range(batches.x.shape[0]):
@@ -137,13 +135,12 @@ class PerFedMAML(Algorithm):
             theta = {k: theta[k] - self.beta * (g[k] + 2.0 * self.lam * (theta[k] - params[k])) for k in theta}
             losses.append(loss)
             meta_losses.append(meta_loss)
-        seen, p = state["seen"], state["p"]
+        ref = next(iter(theta.values()))
+        seen, p = client.seen.to(ref.dtype), client.weight.to(ref.dtype)
         # change of S: p_i (θ_new − θ_old) for a returning client, p_i θ_new for a first-time one
         extras = {_SUM + k: p * (theta[k] - seen * theta_old[k]) for k in theta}
         extras["total"] = p * (1.0 - seen)
         new_state = {_THETA + k: v for k, v in theta.items()}
-        new_state["seen"] = torch.ones_like(seen)
-        new_state["p"] = p
         metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}
         return ClientOutput(tree_sub(theta, params), new_state, extras, metrics)
 
@@ -153,12 +150,12 @@ class PerFedMAML(Algorithm):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
         """``Δ = θ̄_new − θ̄`` with ``θ̄_new = S / P`` after adding the sampled clients' changes.
 
         The module's ``weights`` (normalised over the sampled clients) are not used: θ̄ weighs
-        each client by its global p_i, stored in the client state.
+        each client by its global p_i (``client.weight``).
         """
         new_state = {k: v + outputs.extras[k].sum(0) for k, v in server_state.items()}
         total = new_state["total"].clamp_min(torch.finfo(new_state["total"].dtype).tiny)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, check_non_negative
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.algorithms.fedavg import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
@@ -63,6 +63,7 @@ class Reptile(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         w, loss = local_sgd(ctx, params, batches, self.alpha)
         return ClientOutput(tree_sub(w, params), state, {}, {"loss": loss})

@@ -1,12 +1,24 @@
-"""SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, ICML 2020, Algorithm 1, option II).
+"""SCAFFOLD (Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, ICML 2020, Algorithm 1, option II),
+for the weighted objective f(x) = Σ_i p_i f_i(x) that FedAvg and FedProx minimise here.
 
 Server control variate c, client control variates c_i (kept in the client state store), η_l
 the local rate, τ local steps.  Client i, from y = x:
     y ← y − η_l (∇f_i(y; Dₜ) − c_i + c)                         (τ times)
     c_i⁺ = c_i − c + (x − y) / (τ η_l)                           (option II)
 uploads Δy_i = y − x and Δc_i = c_i⁺ − c_i, and stores c_i ← c_i⁺.  Server:
-    x ← x + η_g Σ_{i∈S} p_i Δy_i          (η_g = server_lr, applied by the server optimizer)
-    c ← c + (|S| / N) (1/|S|) Σ_{i∈S} Δc_i.
+    x ← x + η_g Σ_{i∈S} p̃_i Δy_i          (p̃ = the round's weights; η_g = server_lr, the server optimizer)
+    c ← c + Σ_{i∈S} p_i Δc_i              (p_i = the client's weight in the objective, ``client.weight``).
+
+Why c is weighted by p_i.  The correction −c_i + c replaces the client gradient ∇f_i by an
+estimate of the gradient of the objective, so c must estimate ∇f = Σ_i p_i ∇f_i: c = Σ_i p_i c_i
+over all N training clients. Only the sampled clients change their c_i, so the server keeps this
+identity exactly by adding Σ_{i∈S} p_i Δc_i. The paper states the algorithm for the uniform
+objective f = (1/N) Σ_i f_i (its eq. (1) and Algorithm 1, line 17: c ← c + (|S|/N)·(1/|S|) Σ_{i∈S} Δc_i,
+i.e. c = (1/N) Σ_i c_i); with p_i = 1/N (``aggregation="uniform"``) the two updates are identical.
+At a fixed point with full participation and full-batch gradients, c_i = ∇f_i(x), Δy_i = −τη_l c,
+so x is stationary iff Σ_i p_i ∇f_i(x) = 0: the minimiser of the weighted objective, the one
+FedAvg and FedProx target. Averaging c uniformly while the model is averaged with p_i ∝ n_i (as
+this file did before) makes SCAFFOLD converge to the minimiser of the *unweighted* mean instead.
 The control variates correct client drift: on heterogeneous clients SCAFFOLD converges to
 the global minimiser where FedAvg with many local steps settles elsewhere.
 """
@@ -16,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_zeros_like
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum, tree_zeros_like
 
 __all__ = ["Scaffold"]
 
@@ -54,6 +66,7 @@ class Scaffold(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         c = {k: server_state[f"c.{k}"] for k in params}
         c_i = {k: state[f"c_i.{k}"] for k in params}
@@ -79,11 +92,12 @@ class Scaffold(Algorithm):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
-        delta, _ = super().aggregate(params, outputs, weights, server_state, num_clients)
-        # (|S| / N) · (1/|S|) Σ_i Δc_i  =  Σ_i Δc_i / N
+        delta, _ = super().aggregate(params, outputs, weights, server_state, clients)
+        # c = Σ_i p_i c_i over the training clients, kept exactly: c ← c + Σ_{i∈S} p_i Δc_i
         new_state = {
-            f"c.{k}": server_state[f"c.{k}"] + outputs.extras[f"dc.{k}"].sum(0) / num_clients for k in params
+            f"c.{k}": server_state[f"c.{k}"] + tree_weighted_sum({k: outputs.extras[f"dc.{k}"]}, clients.weight)[k]
+            for k in params
         }
         return delta, new_state

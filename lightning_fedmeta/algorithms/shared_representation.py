@@ -9,9 +9,12 @@ Federated Learning", ICML 2021, Algorithm 1):
     φ_k ← φ_k − η ∇_φ F_k(φ_k, h_k; Dₜ)    local_steps times from φ_k = φ (head fixed).
 FedPer (Arivazhagan, Aggarwal, Singh, Choudhary, "Federated Learning with Personalization Layers", 2019):
     (φ_k, h_k) ← (φ_k, h_k) − η ∇ F_k(φ_k, h_k; Dₜ)   local_steps times, jointly, from (φ, h_k).
-Both upload Δ_k = (φ_k − φ, 0): the body is averaged, φ ← φ + β Σ_{k∈S} p_k (φ_k − φ), the global
-head is never changed. Client k is evaluated with (global φ, h_k); a new client's head is the initial
-one (use ``finetune_steps`` to fit it).
+Both upload Δ_k = (φ_k − φ, h_k − h): the body is averaged, φ ← φ + β Σ_{k∈S} p_k (φ_k − φ), and so
+is the global head h ← h + β Σ_{k∈S} p_k (h_k − h). No trained client ever reads the global head (it
+keeps its own h_k); the global head is the running mean of the clients' heads, the start of every
+client that has not trained yet. Client k is evaluated with (global φ, h_k); a client that has never
+trained (never sampled yet, or held out) with (global φ, global h) — the mean head, not the random
+initialisation (add ``finetune_steps`` to fit its head to its own data).
 
 Head: the parameters whose name equals a ``head_prefix`` entry or starts with ``<prefix>.``; by default
 the parameters of the module owning the last entry of ``named_parameters()`` (for
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, started_from
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["FedRep", "FedPer", "SharedRepresentation", "head_names"]
@@ -97,14 +100,17 @@ class SharedRepresentation(Algorithm):
         _, head = self.split(params)
         return {HEAD + k: v.detach().clone() for k, v in head.items()}
 
-    def client_head(self, params: Params, state: dict[str, Tensor]) -> Params:
+    def client_head(self, params: Params, state: dict[str, Tensor], client: ClientRecord) -> Params:
+        """The client's own head ``h_k``, or the global (mean) head while it has not trained."""
         _, head = self.split(params)
-        return {k: state[HEAD + k] for k in head}
+        return started_from(client, {k: state[HEAD + k] for k in head}, head)
 
-    def personal_start(self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]) -> Params:
-        """The global body with the client's own head."""
+    def personal_start(
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
+    ) -> Params:
+        """The global body with the client's own head (the global head while it has not trained)."""
         body, _ = self.split(params)
-        return {**params, **body, **self.client_head(params, state)}
+        return {**params, **body, **self.client_head(params, state, client)}
 
     @staticmethod
     def _steps(
@@ -119,7 +125,8 @@ class SharedRepresentation(Algorithm):
         return trained, losses
 
     def _output(self, params: Params, body: Params, head: Params, losses: list[Tensor]) -> ClientOutput:
-        delta = {k: body[k] - params[k] if k in body else torch.zeros_like(params[k]) for k in params}
+        """Upload ``(φ_k − φ, h_k − h)``: the body update, and the head's offset from the global head."""
+        delta = {k: body[k] - params[k] if k in body else head[k] - params[k] for k in params}
         return ClientOutput(
             delta=delta,
             state={HEAD + k: v for k, v in head.items()},
@@ -169,9 +176,10 @@ class FedRep(SharedRepresentation):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
         body, _ = self.split(params)
-        head, head_losses = self._steps(ctx, self.client_head(params, state), body, batches, self.local_lr, 0,
+        head, head_losses = self._steps(ctx, self.client_head(params, state, client), body, batches, self.local_lr, 0,
                                         self.head_steps)
         body, body_losses = self._steps(ctx, body, head, batches, self.local_lr, self.head_steps, self.local_steps)
         return self._output(params, body, head, head_losses + body_losses)
@@ -190,8 +198,9 @@ class FedPer(SharedRepresentation):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
-        w = self.personal_start(params, state, server_state)
+        w = self.personal_start(params, state, server_state, client)
         w, losses = self._steps(ctx, w, {}, batches, self.local_lr, 0, self.local_steps)
         body, head = self.split(w)
         return self._output(params, body, head, losses)
