@@ -1,7 +1,7 @@
 """Personalised evaluation metrics: per-client accuracy and loss, summarised three ways.
 
 Each client c is evaluated with its own model on its own test set, giving ``correct_c``,
-``total_c`` and ``loss_sum_c``. Reported (DESIGN.md, contract 6):
+``total_c`` and ``loss_sum_c``. Reported (docs/design.md, contract 6):
 
 * ``acc_weighted``  = Σ_c correct_c / Σ_c total_c        (sample-weighted mean)
 * ``acc_mean``      = (1/K) Σ_c correct_c / total_c      (every client counts once)

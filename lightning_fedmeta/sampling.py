@@ -2,7 +2,7 @@
 
 Nothing here reads a global random state, so the clients sampled in round r and their
 mini-batches are the same whether the run is looped, batched, split over processes or resumed
-from a checkpoint (DESIGN.md, contract 1).
+from a checkpoint (docs/design.md, contract 1).
 """
 
 from __future__ import annotations

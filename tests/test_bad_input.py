@@ -222,3 +222,47 @@ def test_non_finite_loss_names_round_and_client_and_keeps_last_checkpoint(tmp_pa
     trainer.fit(resumed, tiny_datamodule(eval_every=10), ckpt_path=str(last))
     assert trainer.global_step == 2
     assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# combinations that would silently give wrong numbers
+# ----------------------------------------------------------------------------------------------
+def test_fraction_and_clients_per_round_together_are_refused() -> None:
+    """The docs say exclusive; the old code silently used ``fraction``."""
+    with pytest.raises(ValueError, match=r"clients_per_round or fraction, not both.*clients_per_round=3.*fraction=0.5"):
+        FederatedModule(model=_linear(), clients_per_round=3, fraction=0.5)
+    module = FederatedModule(model=_linear(), fraction=0.5)
+    module.attach_data(tiny_data())
+    assert module.num_sampled == 3
+    assert FederatedModule(model=_linear()).clients_per_round == 10  # neither given: the default
+
+
+@pytest.mark.parametrize("name", ["ifca", "cfl", "mocha", "mtl_mean", "mtl_pairwise", "perfedmaml"])
+def test_algorithms_updating_models_outside_the_server_optimizer_refuse_fedopt(name: str) -> None:
+    """FedAdam/FedYogi (or a server lr other than 1) would do nothing to these algorithms' cluster,
+    personal or task models: refuse the combination at construction, naming the algorithm."""
+    with pytest.raises(ValueError, match=rf"{name} updates its models outside the server optimizer"):
+        FederatedModule(model=_linear(), algorithm=name, server_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
+    with pytest.raises(ValueError, match=r"server_lr=0.5"):
+        FederatedModule(model=_linear(), algorithm=name, server_lr=0.5)
+    FederatedModule(model=_linear(), algorithm=name)  # the default SGD(lr=1) is their exact server step
+
+
+def test_algorithms_stepped_by_the_server_optimizer_accept_fedopt() -> None:
+    for name in ("fedavg", "scaffold", "ditto", "fedmaml", "fedrep"):
+        FederatedModule(model=_linear(), algorithm=name, server_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
+
+
+@pytest.mark.parametrize("outputs", [2, 7])
+def test_model_output_size_must_match_the_number_of_classes(tmp_path: Path, outputs: int) -> None:
+    """Fewer outputs than classes crashed inside torch ('index 7 is out of bounds'); more trained silently."""
+    torch.manual_seed(0)
+    module = FederatedModule(model=nn.Linear(5, outputs), clients_per_round=2)
+    _fit_expecting(ValueError, rf"output has shape \(2, {outputs}\).*3 classes.*must output 3 logits", tmp_path,
+                   module, tiny_datamodule())
+
+
+def test_a_model_that_cannot_take_the_inputs_says_so_before_training(tmp_path: Path) -> None:
+    module = FederatedModule(model=nn.Linear(7, 3), clients_per_round=2)
+    _fit_expecting(ValueError, r"cannot take this data's inputs: a batch of shape \(2, 5\)", tmp_path, module,
+                   tiny_datamodule())

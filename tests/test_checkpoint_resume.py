@@ -1,4 +1,4 @@
-"""A run resumed from a Lightning checkpoint continues bit for bit (DESIGN.md, contract 1)."""
+"""A run resumed from a Lightning checkpoint continues bit for bit (docs/design.md, contract 1)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.optimize import minimize
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
@@ -45,11 +44,11 @@ def run_mocha(alg: Mocha, rounds: int, sigma: torch.Tensor | None = None, batchi
     for r in range(rounds):
         sampled, out, weights = module.compute_round(r)
         params = module._global_params()
-        delta, module.server_state = alg.aggregate(params, out, weights, module.server_state, K)
+        delta, new_server_state = alg.aggregate(params, out, weights, module.server_state, module.records(sampled))
         with torch.no_grad():
             for name, p in module.model.named_parameters():
                 p.add_(delta[name])
-        module.client_states.scatter(sampled, out.state)
+        module.commit_round(sampled, out, new_server_state)
     return module
 
 
@@ -81,38 +80,54 @@ def centralised_squared(data: FederatedData, a: np.ndarray) -> np.ndarray:
     return np.linalg.solve(lhs, rhs).reshape(K, dim)
 
 
-def centralised_hinge(data: FederatedData, a: np.ndarray) -> np.ndarray:
-    """min Σ ξ_ti + Σ_st A_st w_sᵀw_t  s.t. ξ ≥ 0, ξ_ti ≥ 1 − y_ti w_tᵀx_ti  (the SVM primal as a QP, SLSQP)."""
+def hinge_primal(arrays: list[tuple[np.ndarray, np.ndarray]], a: np.ndarray, w: np.ndarray) -> float:
+    """``P(W) = Σ_t Σ_i max(0, 1 − y_ti w_tᵀx_ti) + Σ_st A_st w_sᵀw_t`` (the SVM primal, any W)."""
+    hinge = sum(np.maximum(0.0, 1.0 - y * (x @ w[t])).sum() for t, (x, y) in enumerate(arrays))
+    return float(hinge + np.sum(a * (w @ w.T)))
+
+
+def hinge_dual(arrays: list[tuple[np.ndarray, np.ndarray]], a: np.ndarray, betas: list[np.ndarray]) -> float:
+    """``D(α) = Σ α_ti y_ti − ¼ Σ_st M_st v_sᵀv_t``, ``v_t = Σ_i α_ti x_ti``, ``M = A⁻¹``, for β = α y ∈ [0, 1].
+
+    Weak duality: ``D(α) ≤ min P ≤ P(W)`` for every feasible α and every W, so ``P(W) − D(α)`` bounds the
+    suboptimality of W. P is 2λ_min(A)-strongly convex, hence also ``‖W − W*‖²_F ≤ (P(W) − D(α)) / λ_min(A)``.
+    """
+    for beta in betas:
+        assert np.all((beta >= 0.0) & (beta <= 1.0)), "dual point outside the box 0 <= α y <= 1"
+    v = np.stack([x.T @ (beta * y) for (x, y), beta in zip(arrays, betas, strict=True)])
+    return float(sum(beta.sum() for beta in betas) - 0.25 * np.sum(np.linalg.inv(a) * (v @ v.T)))
+
+
+def centralised_hinge(data: FederatedData, a: np.ndarray, tol: float = 1e-10) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The exact SVM solution ``(W*, β*)`` with a certificate: ``P(W*) − D(β*) ≤ tol``.
+
+    Plain numpy, no solver library: exact (sequential, centralised, float64) dual coordinate ascent on
+    ``max_{0 ≤ β ≤ 1} Σ β_i − ½ βᵀQβ``, ``Q_ij = ½ M_{t(i)t(j)} y_i y_j x_iᵀx_j``, until the duality gap of
+    ``W(β) = ½ M V(β)`` is below ``tol``. At ``W = W(β)`` the gap is ``Σ_i [max(0, 1 − m_i) − β_i (1 − m_i)]``
+    (m_i = y_i w_tᵀx_i), a sum of non-negative terms: a zero gap is exactly the KKT conditions
+    (m_i > 1 ⇒ β_i = 0, m_i < 1 ⇒ β_i = 1, 0 ≤ β_i ≤ 1 when m_i = 1).
+    """
     arrays = client_arrays(data)
-    dim = arrays[0][0].shape[1]
-    sizes = [x.shape[0] for x, _ in arrays]
-    nw, ns = K * dim, sum(sizes)
-    big_a = np.kron(a, np.eye(dim))
-
-    def objective(z: np.ndarray) -> float:
-        w = z[:nw]
-        return float(z[nw:].sum() + w @ big_a @ w)
-
-    def gradient(z: np.ndarray) -> np.ndarray:
-        return np.concatenate([2 * big_a @ z[:nw], np.ones(ns)])
-
-    rows, offset = [], 0
-    for t, (x, y) in enumerate(arrays):
-        block = np.zeros((sizes[t], nw + ns))
-        block[:, t * dim : (t + 1) * dim] = y[:, None] * x
-        block[np.arange(sizes[t]), nw + offset + np.arange(sizes[t])] = 1.0
-        rows.append(block)
-        offset += sizes[t]
-    margin = np.concatenate(rows)  # y wᵀx + ξ − 1 ≥ 0
-    constraints = [
-        {"type": "ineq", "fun": lambda z: margin @ z - 1.0, "jac": lambda z: margin},
-        {"type": "ineq", "fun": lambda z: z[nw:], "jac": lambda z: np.eye(nw + ns)[nw:]},
-    ]
-    z0 = np.concatenate([np.zeros(nw), np.ones(ns)])
-    res = minimize(objective, z0, jac=gradient, constraints=constraints, method="SLSQP",
-                   options={"ftol": 1e-12, "maxiter": 500})
-    assert res.success, res.message
-    return res.x[:nw].reshape(K, dim)
+    m = np.linalg.inv(a)
+    task = np.concatenate([np.full(len(y), t) for t, (_, y) in enumerate(arrays)])
+    yx = np.concatenate([y[:, None] * x for x, y in arrays])
+    q = 0.5 * m[np.ix_(task, task)] * (yx @ yx.T)
+    beta, margin = np.zeros(len(task)), np.zeros(len(task))  # margin = Qβ = y_i w_tᵀx_i at W(β)
+    splits = np.cumsum([len(y) for _, y in arrays])[:-1]
+    gap = np.inf
+    for _ in range(10_000):
+        for i in range(len(beta)):
+            new = min(1.0, max(0.0, beta[i] + (1.0 - margin[i]) / q[i, i]))
+            if new != beta[i]:
+                margin += (new - beta[i]) * q[:, i]
+                beta[i] = new
+        betas = np.split(beta.copy(), splits)
+        v = np.stack([x.T @ (b * y) for (x, y), b in zip(arrays, betas, strict=True)])
+        w = 0.5 * m @ v
+        gap = hinge_primal(arrays, a, w) - hinge_dual(arrays, a, betas)
+        if gap <= tol:
+            return w, betas
+    raise AssertionError(f"reference SVM dual coordinate ascent did not converge: duality gap {gap:.3g}")
 
 
 def learned_w(module: FederatedModule, cls: int = 1) -> np.ndarray:
@@ -133,9 +148,16 @@ def test_mocha_hinge_gap_vanishes_and_matches_svm_qp_for_fixed_omega() -> None:
     alg = Mocha(loss="hinge", lambda1=1.0, lambda2=0.1, local_iters=60, omega_every=0)
     module = run_mocha(alg, 70, sigma)
     assert 0 <= float(module.server_state["duality_gap"]) < 1e-3
-    expected = centralised_hinge(multitask_data(), regulariser_matrix(sigma, 1.0, 0.1))
-    np.testing.assert_allclose(learned_w(module, 1), expected, atol=1e-3)
-    np.testing.assert_allclose(learned_w(module, 0), -expected, atol=1e-3)  # one-vs-rest mirror problem
+    a = regulariser_matrix(sigma, 1.0, 0.1)
+    arrays = client_arrays(multitask_data())
+    expected, betas = centralised_hinge(multitask_data(), a)
+    lower_bound = hinge_dual(arrays, a, betas)  # ≤ min P, certified tight to 1e-10 by centralised_hinge
+    for cls, sign in ((1, 1.0), (0, -1.0)):  # class 0 vs rest is the mirror problem: W = −W*
+        w = sign * learned_w(module, cls)
+        # MOCHA's W is optimal by the certificate alone (whatever solved the reference) ...
+        assert hinge_primal(arrays, a, w) - lower_bound < 1e-5, f"class {cls}: W is not SVM-optimal"
+        # ... and equals the exact solution
+        np.testing.assert_allclose(w, expected, atol=1e-3)
 
 
 def test_mocha_omega_update_is_normalised_matrix_square_root() -> None:
@@ -199,3 +221,42 @@ def test_mocha_rejects_nonlinear_model() -> None:
                              clients_per_round=K)
     with pytest.raises(ValueError, match="linear model"):
         module.attach_data(multitask_data())
+
+
+def test_mocha_held_out_clients_are_scored_with_the_mean_task_model_not_an_all_zero_one() -> None:
+    """A held-out task has no data: MOCHA keeps it decoupled (its row of W stays 0, Σ is estimated from
+    the training tasks) and scores the new client with Σ_s p_s w_s over the training clients. Before the
+    fix it was scored with the all-zero model: loss exactly ln C and accuracy 0 at every evaluation."""
+    import lightning as L
+
+    from lightning_fedmeta.data import FederatedDataModule
+
+    class Tasks:
+        num_classes = 2
+
+        def client_data(self) -> list:
+            data = multitask_data()
+            return [(*data.client_train(t), *data.client_test(t)) for t in range(K)]
+
+    module = FederatedModule(model=nn.Linear(D, 2), algorithm={"name": "mocha", "local_iters": 20, "omega_every": 2},
+                             clients_per_round=K - 1, holdout_clients=1)
+    trainer = L.Trainer(max_steps=6, max_epochs=-1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, FederatedDataModule(dataset=Tasks(), eval_every=3))
+    new = int(module.holdout[0])
+    state = module.server_state
+    training = ~module.is_holdout
+    assert torch.equal(state["W"][new], torch.zeros_like(state["W"][new]))
+    sigma = state["Sigma"]
+    assert float(sigma[new].abs().sum()) == pytest.approx(1.0 / K)  # its own I/K block, decoupled
+    mean = torch.tensordot(module.client_weight[training].to(state["W"].dtype), state["W"][training], dims=1)
+    personal = module.personalize(new)
+    torch.testing.assert_close(personal.weight.detach(), mean[:, :D])
+    torch.testing.assert_close(personal.bias.detach(), mean[:, D])
+    summary = module.last_summary["new"]
+    assert float(summary["loss_weighted"]) < float(np.log(2.0)) - 0.05
+    x, y = module.data.client_test(new)
+    with torch.no_grad():
+        acc = float((personal(x).argmax(-1) == y).float().mean())
+    assert float(summary["acc_weighted"]) == pytest.approx(acc)
+    assert acc > 0.6

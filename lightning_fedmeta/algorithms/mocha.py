@@ -37,9 +37,16 @@ regularised with it); evaluation uses the client's own w_t, and predicts the cla
 largest score (the reported loss is the cross-entropy of those scores).
 
 Federated shape: the client state holds the dual variables α_t (padded to the largest client
-and masked) and the client index; the server state holds V, W, Σ, M, σ', the round number and
+and masked); a client finds its task row through its record (``client.index``). The server state
+holds V, W, Σ, M, σ', the clients' weights ``p`` and ``training`` mask, the round number and
 each client's latest local gap (``gap [K]``); ``duality_gap`` is their sum — the exact gap of the
-iterate of the round when every client took part in it. The clients receive their whole training
+iterate of the round when every client took part in it.
+
+Held-out clients: a task without training data has v_t = 0, and Σ is estimated from the training
+clients' task models only, with the held-out tasks in a separate ``I/K`` block, so they stay
+decoupled (w_t = 0) and never bias Σ. MOCHA has no model of its own for a new task: a held-out (new)
+client is evaluated with the weighted mean of the training clients' models ``Σ_s p_s w_s`` (also the
+module's global model). The clients receive their whole training
 set each round (``BatchPlan(1, 1, None)``, full batch, in sample order).
 """
 
