@@ -1,4 +1,5 @@
-"""pFedMe plugin: hyper-parameter validation, the inner prox solve, registry wiring, a short run, loop = vmap.
+"""pFedMe plugin: hyper-parameter validation, the inner prox solve, what a client is scored with, registry
+wiring, a short run, loop = vmap.
 
 Run against the INSTALLED distribution (``pip install ./plugins/fedmeta-pfedme``): the ``src``
 layout keeps the source tree off ``sys.path``, so these tests see what a user sees.
@@ -14,7 +15,9 @@ import torch
 from lightning_fedmeta import (
     Batch,
     ClientContext,
+    ClientRecord,
     FederatedModule,
+    client_records,
     from_client_tensors,
     list_algorithms,
     load_algorithm,
@@ -29,6 +32,11 @@ INSTALL_HINT = "install the plugin first: pip install ./plugins/fedmeta-pfedme"
 def _one_batch(x: Tensor, y: Tensor) -> Batch:
     """A single full batch shaped ``[steps=1, per_step=1, B, ...]``."""
     return Batch(x[None, None], y[None, None], torch.ones(1, 1, x.shape[0]))
+
+
+def _record(num_samples: int, seen: bool) -> ClientRecord:
+    """One client's record (0-d fields), as the loop passes it to ``client_update`` and ``personalize``."""
+    return ClientRecord(*(t[0] for t in client_records([num_samples], seen=[seen])))
 
 
 def _half_squared_error(out: Tensor, y: Tensor) -> Tensor:
@@ -111,7 +119,7 @@ def test_large_lambda_pins_the_personal_model_to_the_global_model() -> None:
     distances = []
     for lam in (1.0, 10.0, 100.0, 1000.0, 10000.0):
         alg = PFedMe(lam=lam, personal_lr=1.0 / (lam + 10.0), inner_steps=50, local_lr=1.0 / lam)
-        theta = alg.personalize(ctx, w, batches, {}, {})
+        theta = alg.personalize(ctx, w, batches, alg.init_client_state(w), {}, _record(32, seen=False))
         dist = float(sum(((theta[k] - w[k]) ** 2).sum() for k in w).sqrt())
         assert dist <= 2.0 * grad_norm / lam + 1e-6, (lam, dist, grad_norm)
         distances.append(dist)
@@ -125,8 +133,53 @@ def test_local_model_moves_towards_the_personal_model_by_eta_lambda() -> None:
     alg = PFedMe(lam=2.0, personal_lr=0.05, inner_steps=3, local_steps=1, local_lr=0.1, batch_size=None)
     batches = _one_batch(x, y)
     theta, _ = alg.prox_point(ctx, w, batches.at(0, 0), w)
-    out = alg.client_update(ctx, w, batches, {}, {})
+    out = alg.client_update(ctx, w, batches, alg.init_client_state(w), {}, _record(x.shape[0], seen=False))
     torch.testing.assert_close(out.delta["weight"], -0.1 * 2.0 * (w["weight"] - theta["weight"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# what a client is scored with (README, "Evaluation")
+# ----------------------------------------------------------------------------------------------
+def test_client_state_starts_as_a_copy_of_the_parameters() -> None:
+    _, w, _, _ = _quadratic_problem()
+    state = PFedMe().init_client_state(w)
+    assert set(state) == {"theta.weight"}
+    torch.testing.assert_close(state["theta.weight"], w["weight"], atol=0, rtol=0)
+    assert state["theta.weight"].data_ptr() != w["weight"].data_ptr()
+
+
+def test_trained_client_is_scored_with_the_theta_of_its_local_training_not_a_fresh_prox_solve() -> None:
+    """After a round, the evaluated model of a sampled client is the θ after the K inner steps of its last local
+    round (the authors' ``persionalized_model_bar``), even once the global model has moved on; not θ̂(w)."""
+    ctx, w, x, y = _quadratic_problem(n=16)
+    alg = PFedMe(lam=2.0, personal_lr=0.05, inner_steps=3, local_steps=2, local_lr=0.1, batch_size=8)
+    rounds = Batch(x.reshape(2, 1, 8, 4), y.reshape(2, 1, 8), torch.ones(2, 1, 8))
+    full = _one_batch(x, y)
+    # the local training by hand: θ warm-started across the two local rounds, w_local pulled towards θ
+    theta, w_local = w, w
+    for r in range(2):
+        theta, _ = alg.prox_point(ctx, w_local, rounds.at(r, 0), theta)
+        w_local = {k: w_local[k] - 0.1 * 2.0 * (w_local[k] - theta[k]) for k in w}
+    out = alg.client_update(ctx, w, rounds, alg.init_client_state(w), {}, _record(16, seen=False))
+    trained = _record(16, seen=True)
+    moved = {k: v + 0.5 for k, v in w.items()}  # the global model after later rounds the client sat out
+    for global_now in (w, moved):
+        scored = alg.personalize(ctx, global_now, full, out.state, {}, trained)
+        torch.testing.assert_close(scored["weight"], theta["weight"], atol=1e-12, rtol=0)
+        fresh, _ = alg.prox_point(ctx, global_now, full.at(0, 0), global_now)
+        assert float((scored["weight"] - fresh["weight"]).norm()) > 1e-2
+
+
+def test_never_trained_client_is_scored_with_the_prox_solve_from_the_current_global_model() -> None:
+    """No personal model yet (never sampled, held out): θ̂(w), K inner steps from θ = w on its training data."""
+    ctx, w, x, y = _quadratic_problem()
+    alg = PFedMe(lam=2.0, personal_lr=0.05, inner_steps=3)
+    full = _one_batch(x, y)
+    stale = {"theta.weight": w["weight"] - 1.0}  # whatever the row holds, an untrained client never reads it
+    for state in (alg.init_client_state(w), stale):
+        scored = alg.personalize(ctx, w, full, state, {}, _record(x.shape[0], seen=False))
+        fresh, _ = alg.prox_point(ctx, w, full.at(0, 0), w)
+        torch.testing.assert_close(scored["weight"], fresh["weight"], atol=1e-12, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,6 +225,65 @@ def test_loop_and_vmap_clients_agree_to_1e_6() -> None:
         torch.testing.assert_close(loop_out.metrics[k], vmap_out.metrics[k], atol=1e-6, rtol=0)
     for a, b in zip(loop_eval, vmap_eval, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+class _TinyDataset:
+    """``_tiny_clients`` as a user dataset for ``FederatedDataModule``."""
+
+    num_classes = 3
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+
+    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        return _tiny_clients(self.num_clients)
+
+
+def _quiet_trainer(max_steps: int) -> L.Trainer:
+    return L.Trainer(max_steps=max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0)
+
+
+@pytest.mark.parametrize("mode", ["loop", "vmap"])
+def test_after_one_round_sampled_clients_are_scored_with_their_theta_and_the_rest_as_new_clients(mode: str) -> None:
+    """One real round: a sampled client's evaluated model is the θ its ``client_update`` returned; a client that
+    did not train (not sampled, or held out) is scored exactly as a new client with its training data (θ̂(w))."""
+    from lightning_fedmeta.data import FederatedDataModule
+
+    clients = _tiny_clients(6)
+    dm = FederatedDataModule(dataset=_TinyDataset(6), eval_every=100)
+    dm.setup("fit")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    spec = {"name": "pfedme", "lam": 5.0, "personal_lr": 0.05, "inner_steps": 3, "local_steps": 4,
+            "local_lr": 0.05, "batch_size": 4}
+    module = FederatedModule(model, spec, clients_per_round=2, holdout_clients=1, client_batching=mode)
+    module.attach_data(dm.federated_data)
+    sampled, out, _ = module.compute_round(0)  # what round 0 will compute (a pure function of seed and round)
+    _quiet_trainer(1).fit(module, dm)
+    assert bool(module.seen[sampled].all()) and int(module.seen.sum()) == sampled.numel()
+    held_out = set(module.holdout.tolist())
+    assert held_out and not held_out & set(sampled.tolist())
+
+    correct, total, _ = module.evaluate_clients(torch.arange(len(clients)), 1)
+    for i, (x, y, x_test, y_test) in enumerate(clients):
+        personal = module.personalize(i)
+        scored = dict(personal.named_parameters())
+        as_new_client = dict(module.personalize((x, y)).named_parameters())
+        if i in sampled.tolist():
+            gap = max(float((scored[n] - as_new_client[n]).detach().abs().max()) for n in scored)
+            assert gap > 1e-3, (i, gap)  # the stored θ, not a prox solve recomputed from the new w
+            pos = sampled.tolist().index(i)
+            for name, p in scored.items():
+                torch.testing.assert_close(p, out.state["theta." + name][pos], atol=1e-6, rtol=0)
+        else:
+            for name, p in scored.items():
+                torch.testing.assert_close(p, as_new_client[name], atol=1e-5, rtol=0)
+        # the evaluation scores exactly that model
+        with torch.no_grad():
+            hits = int((personal(x_test).argmax(1) == y_test).sum())
+        assert (int(correct[i]), int(total[i])) == (hits, y_test.numel()), i
 
 
 def test_pfedme_by_name_improves_personalised_accuracy_on_synthetic_data() -> None:

@@ -19,8 +19,18 @@ plain averaging of the local models; the paper also uses β = 2).
 
 θ starts each round at w and is warm-started from one local round to the next, as in the
 authors' code (CharlieDinh/pFedMe, ``pFedMeOptimizer``); the K inner steps of a local round reuse
-its one mini-batch. A client is evaluated with θ̂_i(w) for the current global w: K inner steps from
-θ = w on its training data (full batch by default, ``eval_batch_size``).
+its one mini-batch.
+
+Evaluation. A client is scored with the personal model θ_i it reached in local training: the θ
+after the K inner steps of the last local round of the last communication round it was sampled
+in, kept in its client state (``theta.<name>``) and not recomputed from the current global w.
+This is the model the authors' evaluation is written to score (``evaluate_personalized_model`` →
+``persionalized_model_bar``, the θ of the K inner steps, in ``userpFedMe.py`` and
+``serverpFedMe.py``; the README's "Evaluation" section has the details). A client that has never
+trained (``client.seen`` False: not sampled yet, held out, or outside the federation) has no
+personal model: it is scored as a new client, with θ̂_i(w) for the current global w, K inner prox
+steps from θ = w on its training data (full batch by default, ``eval_batch_size``), the
+personalisation pFedMe defines for any client.
 
 Defaults are the paper's MNIST (strongly convex) setting: λ = 15, ν = 0.1, K = 5, R = 20,
 η = 0.005, batch size 20 (β = 1 is the module's default ``server_lr = 1.0``). For its Synthetic
@@ -30,10 +40,12 @@ data the paper uses λ = 20, ν = 0.01.
 from __future__ import annotations
 
 import torch
-from lightning_fedmeta import Algorithm, Batch, BatchPlan, ClientContext, ClientOutput, Params
+from lightning_fedmeta import Algorithm, Batch, BatchPlan, ClientContext, ClientOutput, ClientRecord, Params
 from torch import Tensor
 
 __all__ = ["PFedMe"]
+
+THETA = "theta."  # client-state prefix of the personal model θ_i: ``theta.<parameter name>``
 
 
 def _require(ok: bool, message: str) -> None:
@@ -51,7 +63,11 @@ class PFedMe(Algorithm):
         local_steps: R ≥ 1, local rounds per communication round, one mini-batch each (paper: 20).
         local_lr: η ≥ 0, step of the local model on the Moreau envelope; η·λ < 2 (paper: 0.005).
         batch_size: mini-batch size of a local round (``None`` = full batch; paper: 20).
-        eval_batch_size: batch the evaluation-time prox solve uses (``None`` = the client's whole training set).
+        eval_batch_size: batch of the new-client prox solve at evaluation (``None`` = the client's whole
+            training set); used only for clients that have never trained.
+
+    Client state: ``theta.<name>``, the personal model θ_i of the client's last local training (one model
+    per client). A trained client is evaluated with it; a never-trained one with θ̂_i(w).
     """
 
     name = "pfedme"
@@ -94,6 +110,11 @@ class PFedMe(Algorithm):
         self.eval_batch_size = eval_batch_size
 
     # ------------------------------------------------------------------------------------------
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        """The personal model θ_i (``theta.<name>``), initially a copy of the parameters; read only once the
+        client has trained."""
+        return {THETA + k: v.detach().clone() for k, v in params.items()}
+
     def prox_point(self, ctx: ClientContext, w: Params, batch: Batch, theta: Params) -> tuple[Params, Tensor]:
         """K inner steps ``θ ← θ − ν (∇f(θ; D) + λ (θ − w))`` towards ``argmin_θ f(θ; D) + λ/2 ‖θ − w‖²``.
 
@@ -115,8 +136,12 @@ class PFedMe(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
-        """R local rounds: prox solve for θ on D_{i,r}, then ``w_local ← w_local − ηλ (w_local − θ)``."""
+        """R local rounds: prox solve for θ on D_{i,r}, then ``w_local ← w_local − ηλ (w_local − θ)``.
+
+        θ starts at w (the stored θ_i is not read) and the final θ is returned as the client's new state.
+        """
         w_local = params
         theta = params
         losses = []
@@ -127,14 +152,14 @@ class PFedMe(Algorithm):
         gap = sum(((theta[k] - w_local[k]) ** 2).sum() for k in theta)
         return ClientOutput(
             delta={k: w_local[k] - params[k] for k in params},
-            state=state,
+            state={THETA + k: theta[k] for k in params},
             extras={},
             metrics={"loss": torch.stack(losses).mean(), "personal_gap": gap},
         )
 
     # ------------------------------------------------------------------------------------------
     def eval_plan(self) -> BatchPlan:
-        """One batch (``eval_batch_size``; ``None`` = the whole training set) for the evaluation prox solve."""
+        """One batch (``eval_batch_size``; ``None`` = the whole training set) for the new-client prox solve."""
         return BatchPlan(steps=1, per_step=1, batch_size=self.eval_batch_size)
 
     def personalize(
@@ -144,7 +169,10 @@ class PFedMe(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> Params:
-        """Client i's evaluation model θ̂_i(w): K inner prox steps from θ = w on its training batch."""
-        theta, _ = self.prox_point(ctx, params, batches.at(0, 0), params)
-        return theta
+        """Client i's evaluation model: its stored θ_i if it has trained (``client.seen``), else θ̂_i(w), K inner
+        prox steps from θ = w on its training batch (a new client's personalisation)."""
+        fresh, _ = self.prox_point(ctx, params, batches.at(0, 0), params)
+        # both branches are computed: a tensor-valued choice keeps this vmap-safe
+        return {k: torch.where(client.seen, state[THETA + k].to(fresh[k].dtype), fresh[k]) for k in params}
