@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_trainer, tiny_data, tiny_datamodule
+from conftest import make_trainer, one_client, tiny_data, tiny_datamodule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.algorithms.ditto import Ditto
 from lightning_fedmeta.algorithms.fedavg import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, tree_sq_norm, tree_sub
@@ -34,13 +35,12 @@ def _run_rounds(module: FederatedModule, rounds: int) -> list[torch.Tensor]:
     for r in range(rounds):
         sampled, out, weights = module.compute_round(r)
         delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, int(module.eligible.numel())
+            module._global_params(), out, weights, module.server_state, module.records(sampled)
         )
         with torch.no_grad():
             for name, p in module.model.named_parameters():
                 p.add_(delta[name])
-        module.client_states.scatter(sampled, out.state)
-        module.server_state = server_state
+        module.commit_round(sampled, out, server_state)
         sampled_per_round.append(sampled)
     return sampled_per_round
 
@@ -53,40 +53,74 @@ def _personal(module: FederatedModule, prefix: str) -> dict[str, torch.Tensor]:
 # mtl_mean
 # ----------------------------------------------------------------------------------------------
 def test_mtl_mean_lambda_zero_personal_models_are_independent_local_sgd() -> None:
+    """λ = 0: each client's w_k is plain local SGD on its own batches, from w̄ at its first round (a client
+    that has not trained has no personal model yet) and from its own w_k afterwards."""
     module = _module({**MTL_MEAN, "lam": 0.0})
     module.attach_data(tiny_data())
     init = {k: v.clone() for k, v in module._global_params().items()}
-    sampled_per_round = _run_rounds(module, 4)
 
-    expected = [dict(init) for _ in range(6)]
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    sampled_per_round = []
     for r in range(4):
+        w_bar = {k: v.clone() for k, v in module._global_params().items()}
         sampled = sample_clients(module.seed, r, module.eligible, module.num_sampled)
-        assert torch.equal(sampled, sampled_per_round[r])
         batches = module._batches("train", r, sampled, module.algorithm.round_plan())
         for i, c in enumerate(sampled.tolist()):
             one = Batch(batches.x[i], batches.y[i], batches.mask[i])
-            expected[c], _ = local_sgd(module.ctx, expected[c], one, module.algorithm.local_lr)
+            expected[c], _ = local_sgd(module.ctx, expected.get(c, w_bar), one, module.algorithm.local_lr)
+        sampled_per_round += _run_round(module, r)
+        assert torch.equal(sampled, sampled_per_round[r])
     personal = _personal(module, "w.")
-    for c in range(6):
+    for c, w in expected.items():
         for k in init:
-            torch.testing.assert_close(personal[k][c], expected[c][k], rtol=0, atol=1e-6)
+            torch.testing.assert_close(personal[k][c], w[k], rtol=0, atol=1e-6)
+    assert 0 < len(expected) < 6, "some clients trained, some did not"
+    for c in range(6):
+        start = module.algorithm.personal_start(
+            module._global_params(), {f"w.{k}": personal[k][c] for k in init}, module.server_state,
+            ClientRecord(*(t[0] for t in module.records(torch.tensor([c])))),
+        )
+        # evaluated with its w_k once trained; never trained: with w̄
+        want = {k: personal[k][c] for k in init} if c in expected else module._global_params()
+        assert all(torch.equal(start[k], want[k]) for k in init), c
     trained = torch.cat(sampled_per_round).unique()
     assert not torch.equal(personal["weight"][int(trained[0])], init["weight"]), "the clients did not train"
 
 
+def _run_round(module: FederatedModule, round_idx: int) -> list[torch.Tensor]:
+    """One round as ``training_step`` runs it (w ← w + Δ, states and ``seen`` written back); ``[sampled]``."""
+    sampled, out, weights = module.compute_round(round_idx)
+    delta, server_state = module.algorithm.aggregate(
+        module._global_params(), out, weights, module.server_state, module.records(sampled)
+    )
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            p.add_(delta[name])
+    module.commit_round(sampled, out, server_state)
+    return [sampled]
+
+
 def test_mtl_mean_global_params_equal_weighted_mean_of_all_personal_models() -> None:
+    """w̄ = Σ_k p_k w_k over the training clients, an unseen client's w_k read as w̄ (equivalently
+    w̄ = Σ_{seen} p_k w_k / Σ_{seen} p_k)."""
     module = _module(MTL_MEAN, clients_per_round=2)
     data = tiny_data()
     module.attach_data(data)
-    _run_rounds(module, 6)
     p = data.train_counts.double() / data.train_counts.sum()
-    personal = _personal(module, "w.")
-    for name, w in module._global_params().items():
-        mean = torch.tensordot(p, personal[name].double(), dims=1)
-        torch.testing.assert_close(w.double(), mean, rtol=0, atol=1e-5)
+    assert torch.equal(module.client_weight, p)
+    for r in range(6):
+        _run_round(module, r)
+        personal = _personal(module, "w.")
+        seen = module.seen
+        for name, w in module._global_params().items():
+            read = torch.where(seen.reshape(-1, *[1] * w.dim()), personal[name].double(), w.double().unsqueeze(0))
+            torch.testing.assert_close(w.double(), torch.tensordot(p, read, dims=1), rtol=0, atol=1e-5)
+            seen_mean = torch.tensordot(p * seen.double(), personal[name].double(), dims=1) / (p * seen).sum()
+            torch.testing.assert_close(w.double(), seen_mean, rtol=0, atol=1e-5)
     # partial sampling: personal models really differ, so the identity is not trivial
-    assert (personal["weight"] - personal["weight"][0]).abs().max() > 1e-3
-    assert torch.allclose(module.client_states.tensors["p"].double(), p)
+    trained = module.seen.nonzero().flatten()
+    w = _personal(module, "w.")["weight"][trained]
+    assert (w - w[0]).abs().max() > 1e-3
 
 
 def test_mtl_mean_lambda_pulls_personal_models_together() -> None:
@@ -123,8 +157,8 @@ def test_ditto_lambda_zero_personal_model_is_local_sgd_independent_of_global() -
     alg = Ditto(lam=0.0, local_steps=2, personal_steps=3, local_lr=0.3)
     state = {k: v + 0.5 for k, v in alg.init_client_state(params).items()}
     other_global = {k: v - 1.0 for k, v in params.items()}
-    out_a = alg.client_update(ctx, params, batches, state, {})
-    out_b = alg.client_update(ctx, other_global, batches, state, {})
+    out_a = alg.client_update(ctx, params, batches, state, {}, one_client(seen=True))
+    out_b = alg.client_update(ctx, other_global, batches, state, {}, one_client(seen=True))
     v0 = {k: state[f"v.{k}"] for k in params}
     tail = Batch(batches.x[2:5], batches.y[2:5], batches.mask[2:5])
     expected, _ = local_sgd(ctx, v0, tail, 0.3)
@@ -144,10 +178,10 @@ def test_ditto_large_lambda_gives_one_shared_model() -> None:
     for lam, lr in ((0.0, 0.3), (2000.0, 4e-4)):  # λη = 0.8 < 1: stable, and v_k → w
         alg = Ditto(lam=lam, local_steps=1, personal_steps=5, local_lr=0.3, personal_lr=lr)
         state = alg.init_client_state(params)
-        va = alg.client_update(ctx, params, batches_a, state, {}).state
-        vb = alg.client_update(ctx, params, batches_b, state, {}).state
+        va = alg.client_update(ctx, params, batches_a, state, {}, one_client(seen=True)).state
+        vb = alg.client_update(ctx, params, batches_b, state, {}, one_client(seen=True)).state
         far = {k: v + 1.0 for k, v in state.items()}  # a personal model far from w is pulled back to w
-        vf = alg.client_update(ctx, params, batches_a, far, {}).state
+        vf = alg.client_update(ctx, params, batches_a, far, {}, one_client(seen=True)).state
         distance[lam] = (
             float(tree_sq_norm(tree_sub(va, vb)).sqrt()),
             float(tree_sq_norm({k: vf[f"v.{k}"] - params[k] for k in params}).sqrt()),
@@ -156,12 +190,27 @@ def test_ditto_large_lambda_gives_one_shared_model() -> None:
     assert distance[2000.0][0] < 1e-2 and distance[2000.0][1] < 1e-2
 
 
-def test_ditto_is_evaluated_with_its_personal_model() -> None:
+def test_ditto_is_evaluated_with_its_personal_model_once_it_has_trained() -> None:
     _, params, _, _ = _ctx_and_batches()
     alg = Ditto()
     state = {k: v * 3.0 for k, v in alg.init_client_state(params).items()}
-    start = alg.personal_start(params, state, {})
+    start = alg.personal_start(params, state, {}, one_client(seen=True))
     assert all(torch.equal(start[k], state[f"v.{k}"]) for k in params)
+
+
+def test_ditto_client_that_never_trained_starts_from_and_is_scored_with_the_global_model() -> None:
+    """Never-sampled clients were scored with their random initial v_k (about 11% of clients at the first
+    evaluation of a 10-of-50 run): until it trains, a client's v_k is the current global model."""
+    ctx, params, batches, _ = _ctx_and_batches()
+    alg = Ditto(lam=0.5, local_steps=2, personal_steps=3, local_lr=0.3)
+    stale = {k: v * 3.0 - 1.0 for k, v in alg.init_client_state(params).items()}  # an initialisation, not w
+    start = alg.personal_start(params, stale, {}, one_client(seen=False))
+    assert all(torch.equal(start[k], params[k]) for k in params)
+    fresh = alg.client_update(ctx, params, batches, stale, {}, one_client(seen=False)).state
+    from_global = alg.client_update(ctx, params, batches, alg.init_client_state(params), {},
+                                    one_client(seen=True)).state
+    for k in fresh:
+        assert torch.equal(fresh[k], from_global[k])
 
 
 def test_ditto_rejects_bad_hyperparameters() -> None:

@@ -1,4 +1,7 @@
-"""mtl_pairwise and mtl_graph: exact pairwise gradient, inferred similarity, graph smoothing, loop/vmap."""
+"""mtl_pairwise and mtl_graph: exact pairwise gradient, inferred similarity, graph smoothing, loop/vmap.
+
+The objective-level checks (autograd gradient of the documented Φ with held-out and unseen clients,
+exact mean, held-out clients excluded) are in test_mtl_objectives.py."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from torch import nn
 from torch.func import grad
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.algorithms.base import ClientRecord, client_records
 from lightning_fedmeta.algorithms.mtl_graph import MTLGraph, adjacency_from_edges, knn_adjacency, laplacian
 from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
 from lightning_fedmeta.algorithms.regularized import cosine_similarity_matrix, similarity_centre
@@ -29,17 +33,16 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3)
 
 
 def _run_rounds(module: FederatedModule, rounds: int) -> None:
-    """What ``training_step`` does with ``SGD(lr=1)``: w ← w + Δ, then the states are written back."""
+    """What ``training_step`` does with ``SGD(lr=1)``: w ← w + Δ, then the states and ``seen`` are written back."""
     for r in range(rounds):
         sampled, out, weights = module.compute_round(r)
         delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, int(module.eligible.numel())
+            module._global_params(), out, weights, module.server_state, module.records(sampled)
         )
         with torch.no_grad():
             for name, p in module.model.named_parameters():
                 p.add_(delta[name])
-        module.client_states.scatter(sampled, out.state)
-        module.server_state = server_state
+        module.commit_round(sampled, out, server_state)
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
@@ -47,6 +50,9 @@ def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
 
 
 def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
+    """One step = gradient of the terms of Φ/p_k that contain w_k, summed explicitly pair by pair:
+    F_k(w_k) + (λ/2) Σ_j S_jk ‖w_k − w_j‖² (client k's penalty) + (λ/2) Σ_j (p_j/p_k) S_kj ‖w_j − w_k‖²
+    (client j's penalties), with an asymmetric S and unequal weights."""
     torch.manual_seed(0)
     model = nn.Linear(5, 3)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -54,24 +60,29 @@ def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
     s = torch.rand(4, 4).double()  # asymmetric, with a diagonal that must be ignored
     lam, lr, client = 0.7, 0.05, 2
     alg = MTLPairwise(lam=lam, similarity=s.tolist(), local_steps=1, local_lr=lr, batch_size=4)
-    counts = torch.tensor([5, 6, 7, 8])
-    alg.bind_clients(counts, torch.ones(4, 3, dtype=torch.long))
-    states = alg.init_client_states(params, counts)
+    records = client_records([5, 6, 7, 8], seen=[True] * 4)
+    p = records.weight
+    alg.bind_clients(records, torch.ones(4, 3, dtype=torch.long))
+    states = alg.init_client_states(params, records)
     server_state = alg.init_server_state(params)
     models = {k: v + torch.randn(4, *v.shape) for k, v in params.items()}
     server_state.update({f"models.{k}": v for k, v in models.items()})
+    server_state["seen"] = torch.ones(4)
     state = {k: v[client] for k, v in states.items()}
     state.update({f"w.{k}": models[k][client] for k in params})
     x, y = tiny_data().client_train(client)
     batches = Batch(x[None, None, :4], y[None, None, :4], torch.ones(1, 1, 4))
+    record = ClientRecord(*(t[client] for t in records))
 
-    out = alg.client_update(ctx, params, batches, state, server_state)
+    out = alg.client_update(ctx, params, batches, state, server_state, record)
 
     def objective(w: dict[str, torch.Tensor]) -> torch.Tensor:
-        penalty = sum(
-            s[j, client].float() * sum(((w[k] - models[k][j]) ** 2).sum() for k in w) for j in range(4)
+        own = sum(s[j, client].float() * sum(((w[k] - models[k][j]) ** 2).sum() for k in w) for j in range(4))
+        others = sum(
+            float(p[j] / p[client]) * s[client, j].float() * sum(((models[k][j] - w[k]) ** 2).sum() for k in w)
+            for j in range(4) if j != client
         )
-        return ctx.loss(w, batches.at(0, 0)) + lam * penalty
+        return ctx.loss(w, batches.at(0, 0)) + 0.5 * lam * (own + others)
 
     w0 = {k: models[k][client] for k in params}
     g = grad(objective)(w0)
@@ -81,12 +92,19 @@ def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
 
 
 def test_similarity_centre_is_degree_normalised_weighted_mean() -> None:
+    """a_jk = S_jk + (p_j / p_k) S_kj; d_k = Σ_j a_jk; u_k = Σ_j a_jk w_j / d_k."""
     s = torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0], [3.0, 1.0, 0.0]])
     models = {"w": torch.tensor([[1.0], [2.0], [4.0]])}
-    degree, centre = similarity_centre(s, models, torch.tensor(0))
-    assert float(degree) == 4.0
-    torch.testing.assert_close(centre["w"], torch.tensor([(1 * 2.0 + 3 * 4.0) / 4.0]))
-    degree, centre = similarity_centre(s, models, torch.tensor(2))  # isolated: no pull at all
+    uniform = torch.full((3,), 1 / 3)
+    degree, centre = similarity_centre(s, uniform, models, torch.tensor(0))  # a_{·0} = S_{·0} + S_{0·} = [0, 3, 3]
+    assert float(degree) == 6.0
+    torch.testing.assert_close(centre["w"], torch.tensor([(3 * 2.0 + 3 * 4.0) / 6.0]))
+    unequal = torch.tensor([0.5, 0.25, 0.25])  # a_{·0} = [0, 1 + 2/2, 3 + 0] = [0, 2, 3]
+    degree, centre = similarity_centre(s, unequal, models, torch.tensor(0))
+    assert float(degree) == 5.0
+    torch.testing.assert_close(centre["w"], torch.tensor([(2 * 2.0 + 3 * 4.0) / 5.0]))
+    held_out = torch.tensor([0.5, 0.5, 0.0])  # p_k = 0: no pull at all
+    degree, centre = similarity_centre(s, held_out, models, torch.tensor(2))
     assert float(degree) == 0.0 and torch.isfinite(centre["w"]).all()
 
 
@@ -139,14 +157,15 @@ def _chain_roughness(personal: dict[str, torch.Tensor]) -> float:
 
 def test_graph_chain_makes_personal_models_smoother_along_the_chain() -> None:
     roughness = {}
-    for lam in (0.0, 1.0):  # 2 λ d_max η = 2 · 1 · 2 · 0.1 < 1
+    for lam in (0.0, 1.0):  # λ d_k η ≤ 1 · 2 (1 + 14/5) · 0.1 < 1
         module = _module({**GRAPH, "lam": lam, "local_lr": 0.1}, "vmap", clients_per_round=6)
         data = tiny_data()
         module.attach_data(data)
         _run_rounds(module, 4)
         personal = _personal(module)
         roughness[lam] = _chain_roughness(personal)
-        p = data.train_counts.double() / data.train_counts.sum()
+        p = module.client_weight
+        assert bool(module.seen.all())
         for k, w in module._global_params().items():  # global = Σ p_k w_k as in mtl_mean
             torch.testing.assert_close(w.double(), torch.tensordot(p, personal[k].double(), dims=1), atol=1e-5,
                                        rtol=0)
@@ -161,9 +180,9 @@ def test_laplacian_quadratic_form_is_sum_over_edges() -> None:
     quad = torch.trace(w.T @ laplacian(s) @ w)
     by_edges = ((w[0] - w[1]) ** 2).sum() + 0.5 * ((w[1] - w[2]) ** 2).sum() + ((w[3] - w[0]) ** 2).sum()
     torch.testing.assert_close(quad, by_edges)
-    # the client step's 2 d_k (w_k − u_k) is 2 (L W)_k
-    degree, centre = similarity_centre(s, {"w": w}, torch.tensor(1))
-    torch.testing.assert_close(degree * (w[1] - centre["w"]), (laplacian(s) @ w)[1])
+    # with uniform weights the client step's pull d_k (w_k − u_k) is 2 (L W)_k
+    degree, centre = similarity_centre(s, torch.full((4,), 0.25, dtype=torch.float64), {"w": w}, torch.tensor(1))
+    torch.testing.assert_close(degree * (w[1] - centre["w"]), 2 * (laplacian(s) @ w)[1])
 
 
 def test_knn_graph_of_label_histograms() -> None:

@@ -1,20 +1,35 @@
 """Graph-regularised federated multi-task learning (``mtl_graph``).
 
-Objective with a client graph of adjacency S (S_jk = S_kj ≥ 0) and Laplacian L = D − S, D = diag(d),
-d_k = Σ_j S_jk (graph Laplacian regularisation of multi-task learning: Evgeniou, Micchelli, Pontil,
-JMLR 2005; in federated form: Smith et al., NeurIPS 2017, Ω(W) = tr(W Ω Wᵀ); Dinh et al., FedU, 2021):
+A client graph of symmetric adjacency A (A_jk = A_kj ≥ 0; graph Laplacian regularisation of multi-task
+learning: Evgeniou, Micchelli, Pontil, JMLR 2005; in federated form: Smith et al., NeurIPS 2017;
+Dinh et al., FedU, 2021; weighted per client as Hanzely & Richtárik, arXiv:2002.05516, weight their
+penalty). Objective:
 
-    min_W  Σ_k p_k F_k(w_k) + λ tr(Wᵀ L W),     tr(Wᵀ L W) = Σ_{(j,k) ∈ edges} S_jk ‖w_j − w_k‖²,
+    Φ(W) = Σ_k p_k [F_k(w_k) + (λ/2) Σ_j A_jk ‖w_k − w_j‖²],
 
-with W = [w_1; …; w_K]. Sampled client k runs τ block-gradient steps from its stored w_k,
+over the TRAINING clients: p_k = ``client.weight`` (Σ_k p_k = 1; 0 for held-out clients), and A is
+restricted to them (edges that touch a held-out client are dropped; the kNN graph is built among
+the training clients only). Each edge {j, k} thus enters with weight (p_j + p_k) A_jk. This is the
+``mtl_pairwise`` objective with S = A, and the client step is the same: the exact partial gradient
+of Φ w.r.t. w_k divided by p_k,
 
-    w_k ← w_k − η (∇F_k(w_k; Dₜ) + 2λ (L W)_k) = w_k − η (∇F_k(w_k; Dₜ) + 2λ d_k (w_k − u_k)),
-    u_k = Σ_j S_jk w_j / d_k   (the neighbours' personal models as stored at the start of the round),
+    (1/p_k) ∂Φ/∂w_k = ∇F_k(w_k) + λ Σ_j (1 + p_j / p_k) A_jk (w_k − w_j) = ∇F_k(w_k) + λ d_k (w_k − u_k),
+    d_k = Σ_j (1 + p_j / p_k) A_jk,   u_k = Σ_j (1 + p_j / p_k) A_jk w_j / d_k,
 
-exactly the ``mtl_pairwise`` step with S the adjacency. The graph is given as an edge list
-(``edges``) or built as the symmetric k-nearest-neighbour graph of the clients' label histograms
-(``knn``; needs the histograms from the loop, see :meth:`MTLGraph.bind_clients`). The global
-parameters track w̄ = Σ_k p_k w_k (keep ``server_lr = 1``). Evaluation uses each client's w_k.
+τ steps ``w_k ← w_k − η (∇F_k(w_k; Dₜ) + λ d_k (w_k − u_k))`` from the stored w_k, the neighbours'
+models held at their values at the start of the round. For uniform weights the pull is
+``2λ Σ_j A_jk (w_k − w_j) = 2λ (L W)_k`` with the Laplacian L = D − A.
+
+Clients that have not trained yet (``client.seen`` false) have no personal model: their w_k is read
+as the mean w̄ (the global parameters) — as their own starting point, as a neighbour, and for
+evaluation. The global parameters hold w̄ = Σ_{k seen} p_k w_k / Σ_{k seen} p_k, which equals
+Σ_k p_k w_k over all training clients with that reading (see :mod:`lightning_fedmeta.algorithms.regularized`;
+only the module's default ``SGD(lr=1)`` server step is allowed). A held-out (new) client has no
+neighbours and is evaluated with w̄ (then ``finetune_steps`` SGD steps, if any); a training client
+is evaluated with its w_k once it has trained.
+
+The graph is given as an edge list (``edges``) or built as the symmetric k-nearest-neighbour graph of
+the training clients' label histograms (``knn``; the loop passes them to :meth:`MTLGraph.bind_clients`).
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.algorithms.regularized import SimilarityRegularizedMTL
 
 __all__ = ["MTLGraph", "adjacency_from_edges", "knn_adjacency", "laplacian"]
@@ -46,23 +62,31 @@ def adjacency_from_edges(edges: Sequence[Sequence[float]], num_clients: int) -> 
     return s
 
 
-def knn_adjacency(features: Tensor, k: int) -> Tensor:
+def knn_adjacency(features: Tensor, k: int, include: Tensor | None = None) -> Tensor:
     """Symmetric k-nearest-neighbour graph (weight 1) of the rows of ``features [K, F]``.
 
     Rows are normalised to sum 1 (histograms become distributions); the k nearest other rows in
     Euclidean distance are neighbours (ties: lower index first); an edge exists if either end chose it.
+    ``include`` (``[K]`` bool, default all) restricts the graph to those clients: the others get no
+    edges and are nobody's neighbour (held-out clients).
     """
     num = features.shape[0]
-    if not 1 <= k < num:
-        raise ValueError(f"knn must be in [1, {num - 1}] for {num} clients, got {k!r}")
-    f = features.to(torch.float64)
+    keep = torch.ones(num, dtype=torch.bool) if include is None else include.to(torch.bool).cpu()
+    members = keep.nonzero().flatten()
+    m = int(members.numel())
+    if not 1 <= k < m:
+        held = f" ({num - m} held out)" if m < num else ""
+        raise ValueError(f"knn must be in [1, {m - 1}] for {m} training clients{held}, got {k!r}")
+    f = features.to(torch.float64)[members]
     f = f / f.sum(1, keepdim=True).clamp_min(1.0)
     dist = torch.cdist(f, f)
     dist.fill_diagonal_(float("inf"))
     order = torch.sort(dist, dim=1, stable=True).indices[:, :k]
+    sub = torch.zeros(m, m, dtype=torch.float64)
+    sub.scatter_(1, order, 1.0)
     s = torch.zeros(num, num, dtype=torch.float64)
-    s.scatter_(1, order, 1.0)
-    return torch.maximum(s, s.T)
+    s[members.unsqueeze(1), members.unsqueeze(0)] = torch.maximum(sub, sub.T)
+    return s
 
 
 def laplacian(adjacency: Tensor) -> Tensor:
@@ -74,17 +98,20 @@ class MTLGraph(SimilarityRegularizedMTL):
     """Personal models smoothed over a client graph (Laplacian regularisation).
 
     Args:
-        lam: λ ≥ 0 of ``tr(Wᵀ L W)``. Stability needs ``2λ d_max η < 1``.
-        edges: undirected edge list ``[[j, k], ...]`` or ``[[j, k, weight], ...]`` over client indices.
-        knn: build the symmetric ``knn``-nearest-neighbour graph of the clients' training label
-            histograms instead (exactly one of ``edges`` and ``knn``). The histograms must reach the
-            algorithm through :meth:`bind_clients` before its state is initialised.
+        lam: λ ≥ 0 of the objective in the module docstring. Stability needs ``λ d_k η < 1`` for every
+            training client k, ``d_k = Σ_j (1 + p_j / p_k) A_jk`` (``2 × degree`` for uniform weights).
+        edges: undirected edge list ``[[j, k], ...]`` or ``[[j, k, weight], ...]`` over client indices
+            (edges that touch a held-out client are dropped).
+        knn: build the symmetric ``knn``-nearest-neighbour graph of the training clients' label
+            histograms instead (exactly one of ``edges`` and ``knn``; held-out clients are left out).
+            The histograms must reach the algorithm through :meth:`bind_clients` before its state is
+            initialised.
         local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size: see
             :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
     """
 
     name = "mtl_graph"
-    summary = "Graph MTL: F_k(w_k) + λ tr(WᵀLW) over a client graph (edge list or kNN of label histograms)"
+    summary = "Graph MTL: Σ p_k [F_k(w_k) + λ/2 Σ_j A_jk‖w_k − w_j‖²] over a client graph (edges or kNN of labels)"
 
     def __init__(
         self,
@@ -111,20 +138,23 @@ class MTLGraph(SimilarityRegularizedMTL):
         self.edges = None if edges is None else [list(e) for e in edges]
         self.knn = knn
         self._label_counts: Tensor | None = None
+        self._training: Tensor | None = None
 
-    def bind_clients(self, train_counts: Tensor, label_counts: Tensor) -> None:
-        """Receive the clients' training label histograms ``[K, C]`` (needed by ``knn``).
+    def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:
+        """Receive the clients' records and training label histograms ``[K, C]`` (needed by ``knn``).
 
         ``FederatedModule.attach_data`` calls it once, before any state is initialised, with
         ``label_counts[k, c]`` = number of training samples of class c at client k.
         """
-        super().bind_clients(train_counts, label_counts)
-        if label_counts.shape[0] != train_counts.numel():
-            raise ValueError(f"label_counts has {label_counts.shape[0]} rows for {train_counts.numel()} clients")
+        super().bind_clients(clients, label_counts)
+        if label_counts.shape[0] != clients.index.numel():
+            raise ValueError(f"label_counts has {label_counts.shape[0]} rows for {clients.index.numel()} clients")
         self._label_counts = label_counts.detach().cpu()
+        self._training = ~clients.is_new.detach().cpu().to(torch.bool)
 
     def adjacency(self, num_clients: int) -> Tensor:
-        """The ``[K, K]`` float64 adjacency S of the client graph."""
+        """The ``[K, K]`` float64 adjacency A of the client graph (kNN: among the training clients;
+        the server state further zeroes every edge that touches a held-out client)."""
         if self.edges is not None:
             return adjacency_from_edges(self.edges, num_clients)
         if self._label_counts is None:
@@ -136,7 +166,7 @@ class MTLGraph(SimilarityRegularizedMTL):
             raise ValueError(
                 f"label histograms cover {self._label_counts.shape[0]} clients, the data has {num_clients}"
             )
-        return knn_adjacency(self._label_counts, int(self.knn))  # type: ignore[arg-type]
+        return knn_adjacency(self._label_counts, int(self.knn), self._training)  # type: ignore[arg-type]
 
     def fixed_similarity(self, num_clients: int) -> Tensor:
         return self.adjacency(num_clients)

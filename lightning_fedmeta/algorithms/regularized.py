@@ -1,27 +1,43 @@
 """Shared machinery of the regularised multi-task algorithms (federated learning as multi-task learning).
 
-Objective (Smith et al., "Federated Multi-Task Learning", NeurIPS 2017; Hanzely & Richtárik,
-"Federated Learning of a Mixture of Global and Local Models", 2020; Dinh et al., pFedMe, 2020):
+The three algorithms (``mtl_mean``, ``mtl_pairwise``, ``mtl_graph``) minimise an objective of the form
 
-    min_{w_1..w_K}  Σ_k p_k F_k(w_k) + λ Ω(w_1, …, w_K),     p_k = n_k / Σ_j n_j.
+    Φ(W) = Σ_k p_k [F_k(w_k) + λ ψ_k(W)]
 
-Each client owns a personal model ``w_k`` (a row of the client state store, initialised to the
-global parameters and saved in checkpoints). A sampled client takes τ proximal SGD steps on its
-block of the objective,
+over one personal model ``w_k`` per client (Hanzely & Richtárik, "Federated Learning of a Mixture of
+Global and Local Models", arXiv:2002.05516, eq. (2), with weights p_k; Smith et al., "Federated
+Multi-Task Learning", NeurIPS 2017). The sums run over the TRAINING clients: ``p_k`` is the
+client's ``ClientRecord.weight`` (∝ n_k or uniform by the module's ``aggregation``, summing to 1 over
+the training clients, 0 for a held-out client). Each subclass writes its objective once, in its
+module docstring.
 
-    h_k(w_k) = F_k(w_k) + (c_k / 2) ‖w_k − u_k‖²:   w_k ← w_k − η (∇F_k(w_k; Dₜ) + c_k (w_k − u_k)),
+Client step. A sampled client takes τ SGD steps on its own block, the other clients' models and w̄
+held at their values at the start of the round; every step is the partial gradient of Φ with
+respect to ``w_k``, divided by ``p_k``, written as a proximal step:
 
-where the centre ``u_k`` and the coefficient ``c_k`` come from Ω (``mtl_mean``: u_k = w̄, c_k = 2λ;
-``mtl_pairwise``/``mtl_graph``: u_k = Σ_j S_jk w_j / d_k, c_k = 2λ d_k with d_k = Σ_j S_jk).
+    (1/p_k) ∂Φ/∂w_k = ∇F_k(w_k) + c_k (w_k − u_k):   w_k ← w_k − η (∇F_k(w_k; Dₜ) + c_k (w_k − u_k)),
 
-The module's global parameters hold the p-weighted mean of ALL personal models,
-w̄ = Σ_k p_k w_k. Only the sampled clients report, so the mean is kept incrementally: a client
-uploads ``w_k_new − w_k_old`` and its weight ``p_k`` (stored in its state), and the server returns
+with the coefficient ``c_k`` and the centre ``u_k`` of :meth:`RegularizedMTL.prox_terms`.
 
-    Δ = Σ_{k∈S} p_k (w_k_new − w_k_old),
+Clients that have not trained yet. The loop's record says whether a client has taken part in a
+completed round (``client.seen``). A client that has not (never sampled yet, or held out) has no
+personal model yet: its ``w_k`` is READ AS the current mean w̄, both when it trains for the first
+time (it starts from w̄) and when it is evaluated (with w̄). The stored row is ignored until then.
 
-so with the default server optimizer ``SGD(lr=1)`` the global parameters stay exactly
-Σ_k p_k w_k (up to float rounding). The server learning rate must stay 1 for that identity.
+The mean. The module's global parameters hold
+
+    w̄ = Σ_{k seen} p_k w_k / Σ_{k seen} p_k        (the initial global model while no client is seen),
+
+which is exactly ``Σ_k p_k w_k`` over all training clients when every unseen client's ``w_k`` is read
+as w̄ (solve ``w̄ = Σ_seen p_k w_k + (1 − P) w̄`` with ``P = Σ_seen p_k``). The server keeps ``P`` in
+its state (``total``) and, since a sampled client uploads ``w_k_new − w_k_start`` (start = its stored
+w_k, or w̄ on its first round), the new mean is
+
+    P' = P + Σ_{k∈S, first round} p_k,      Δ = w̄' − w̄ = Σ_{k∈S} p_k (w_k_new − w_k_start) / P',
+
+with the GLOBAL weights ``p_k`` of the records (not the round's renormalised ``weights``). The module
+applies Δ with its default server optimizer ``SGD(lr=1)``; ``server_optimizer_applies = False``
+makes it refuse any other (which would break the identity).
 """
 
 from __future__ import annotations
@@ -31,24 +47,27 @@ from abc import abstractmethod
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, check_non_negative
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative, started_from
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
 __all__ = [
     "RegularizedMTL",
     "SimilarityRegularizedMTL",
+    "coupling_column",
     "similarity_centre",
     "cosine_similarity_matrix",
     "prox_sgd",
     "personal_model",
     "pack_personal",
-    "client_weights",
 ]
 
 PERSONAL = "w."
 MODELS = "models."
 SIMILARITY = "similarity"
 UPDATES = "updates"
+WEIGHTS = "weights"
+SEEN = "seen"
+TOTAL = "total"
 
 
 def personal_model(state: dict[str, Tensor], params: Params, prefix: str = PERSONAL) -> Params:
@@ -59,12 +78,6 @@ def personal_model(state: dict[str, Tensor], params: Params, prefix: str = PERSO
 def pack_personal(w: Params, prefix: str = PERSONAL) -> dict[str, Tensor]:
     """``{prefix + name: w[name]}``: a personal model as client-state entries."""
     return {prefix + k: v for k, v in w.items()}
-
-
-def client_weights(train_counts: Tensor, dtype: torch.dtype) -> Tensor:
-    """``p_k = n_k / Σ_j n_j`` over the given clients, as ``[K]`` tensor of ``dtype``."""
-    counts = torch.as_tensor(train_counts).to(torch.float64)
-    return (counts / counts.sum().clamp_min(1.0)).to(dtype)
 
 
 def prox_sgd(
@@ -93,16 +106,20 @@ def prox_sgd(
 
 
 class RegularizedMTL(Algorithm):
-    """Base of ``mtl_mean``, ``mtl_pairwise`` and ``mtl_graph``: personal models + prox SGD + mean tracking.
+    """Base of ``mtl_mean``, ``mtl_pairwise`` and ``mtl_graph``: personal models, prox SGD, exact mean tracking.
 
-    Client state (one row per client): ``w.<name>`` the personal model, ``p`` the client's global
-    weight ``p_k = n_k / Σ_j n_j``, ``idx`` the client's index ``k`` (int64). Subclasses give the
-    proximal centre and coefficient of a client (:meth:`prox_terms`).
+    Client state (one row per client): ``w.<name>``, the personal model (read only once the client
+    has trained, ``client.seen``; before that the client's model is the current mean w̄). Server
+    state: ``total`` = P = Σ_{k seen} p_k. Subclasses give the proximal coefficient and centre of a
+    client (:meth:`prox_terms`). See the module docstring for the objective, the client step and
+    the mean w̄.
 
     Args:
-        lam: λ ≥ 0, strength of the regulariser Ω.
+        lam: λ ≥ 0, strength of the regulariser.
         **kwargs: see :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
     """
+
+    server_optimizer_applies = False
 
     def __init__(
         self,
@@ -118,39 +135,47 @@ class RegularizedMTL(Algorithm):
         check_non_negative("lam", lam)
         self.lam = lam
         self._num_clients: int | None = None
+        self._weights: Tensor | None = None
 
     # -- state --------------------------------------------------------------------------------
-    def init_client_states(self, params: Params, train_counts: Tensor) -> dict[str, Tensor]:
-        """Personal models = copies of ``params``; ``p_k ∝ n_k``; ``idx = 0..K-1``."""
-        k = int(train_counts.numel())
-        dtype = next(iter(params.values())).dtype
-        device = next(iter(params.values())).device
-        state = {PERSONAL + n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in params.items()}
-        state["p"] = client_weights(train_counts, dtype).to(device)
-        state["idx"] = torch.arange(k, device=device)
-        return state
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        """The personal model's row, a copy of ``params`` (not read before the client has trained)."""
+        return {PERSONAL + n: v.detach().clone() for n, v in params.items()}
 
-    def bind_clients(self, train_counts: Tensor, label_counts: Tensor) -> None:
-        """Record ``K`` (the server state holds one row per client)."""
-        super().bind_clients(train_counts, label_counts)
-        self._num_clients = int(train_counts.numel())
+    def init_server_state(self, params: Params) -> dict[str, Tensor]:
+        """``total`` = P = Σ_{k seen} p_k, 0 before the first round."""
+        ref = next(iter(params.values()))
+        return {TOTAL: torch.zeros((), dtype=ref.dtype, device=ref.device)}
+
+    def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:
+        """Record ``K`` and every client's weight ``p_k`` (0 for held-out clients)."""
+        super().bind_clients(clients, label_counts)
+        self._num_clients = int(clients.index.numel())
+        self._weights = clients.weight.detach().cpu().to(torch.float64)
 
     @property
     def num_clients(self) -> int:
         """``K``, known once :meth:`bind_clients` has run."""
         if self._num_clients is None:
             raise RuntimeError(
-                f"{type(self).__name__}.init_server_state needs the number of clients: call "
-                "bind_clients(train_counts, label_counts) first (FederatedModule.attach_data does)"
+                f"{type(self).__name__}.init_server_state needs the clients: call "
+                "bind_clients(clients, label_counts) first (FederatedModule.attach_data does)"
             )
         return self._num_clients
+
+    @property
+    def client_weight(self) -> Tensor:
+        """``[K]`` float64 weights ``p_k`` of all clients (0 for held-out ones), from :meth:`bind_clients`."""
+        _ = self.num_clients
+        assert self._weights is not None
+        return self._weights
 
     # -- client -------------------------------------------------------------------------------
     @abstractmethod
     def prox_terms(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> tuple[float | Tensor, Params]:
-        """``(c_k, u_k)``: coefficient and centre of client ``k``'s proximal term ``(c_k/2)‖w_k − u_k‖²``."""
+        """``(c_k, u_k)`` with ``(1/p_k) ∂Φ/∂w_k = ∇F_k(w_k) + c_k (w_k − u_k)`` (the others fixed)."""
 
     def client_update(
         self,
@@ -159,16 +184,18 @@ class RegularizedMTL(Algorithm):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
-        w_old = personal_model(state, params)
-        coef, centre = self.prox_terms(params, state, server_state)
-        w_new, loss = prox_sgd(ctx, w_old, batches, self.local_lr, coef, centre)
+        """τ proximal steps from ``w_k`` (from w̄ on the client's first round); uploads ``w_k_new − w_k_start``."""
+        w_start = self.personal_start(params, state, server_state, client)
+        coef, centre = self.prox_terms(params, state, server_state, client)
+        w_new, loss = prox_sgd(ctx, w_start, batches, self.local_lr, coef, centre)
         new_state = dict(state)
         new_state.update(pack_personal(w_new))
         return ClientOutput(
-            delta=tree_sub(w_new, w_old),
+            delta=tree_sub(w_new, w_start),
             state=new_state,
-            extras={"p": state["p"], "idx": state["idx"]},
+            extras={},
             metrics={"loss": loss},
         )
 
@@ -179,33 +206,60 @@ class RegularizedMTL(Algorithm):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
-        """``Δ = Σ_{k∈S} p_k (w_k_new − w_k_old)`` with the GLOBAL weights ``p_k`` (not the round's
-        ``weights``), so that ``w̄ + Δ = Σ_k p_k w_k`` over all clients."""
-        return tree_weighted_sum(outputs.delta, outputs.extras["p"]), server_state
+        """``P' = P + Σ_{k∈S unseen} p_k`` and ``Δ = Σ_{k∈S} p_k (w_k_new − w_k_start) / P'`` (the global
+        ``p_k`` of the records, not the round's ``weights``): afterwards w̄ + Δ = Σ_{seen} p_k w_k / P'."""
+        p = clients.weight.to(torch.float64)
+        first = (~clients.seen.to(torch.bool)).to(torch.float64)
+        total = server_state[TOTAL].to(torch.float64) + (p * first).sum()
+        coeffs = p / total.clamp_min(torch.finfo(torch.float64).tiny)
+        new_state = dict(server_state)
+        new_state[TOTAL] = total.to(server_state[TOTAL].dtype)
+        return tree_weighted_sum(outputs.delta, coeffs), new_state
 
     # -- evaluation ---------------------------------------------------------------------------
-    def personal_start(self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]) -> Params:
-        """Client ``k`` is evaluated with its personal model ``w_k``."""
-        return personal_model(state, params)
+    def personal_start(
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
+    ) -> Params:
+        """``w_k`` for a client that has trained; the mean w̄ (the global parameters) for one that has
+        not: never sampled yet, held out (new), or outside the federation."""
+        return started_from(client, personal_model(state, params), params)
 
 
 # ----------------------------------------------------------------------------------------------
 # similarity-weighted (pairwise / graph) regularisation
 # ----------------------------------------------------------------------------------------------
-def similarity_centre(similarity: Tensor, models: Params, k: Tensor) -> tuple[Tensor, Params]:
-    """``(d_k, u_k)`` with ``d_k = Σ_j S_jk`` and ``u_k = Σ_j S_jk w_j / d_k`` (``u_k = 0`` when ``d_k = 0``).
+def coupling_column(similarity: Tensor, weights: Tensor, k: Tensor, own_weight: Tensor | None = None) -> Tensor:
+    """``a_{·k}`` with ``a_jk = S_jk + (p_j / p_k) S_kj`` (``a_{·k} = 0`` when ``p_k = 0``).
 
-    ``similarity`` is ``[K, K]`` (diagonal already zero), ``models`` holds every client's model stacked
-    ``[K, ...]`` and ``k`` is the client's index (a 0-d int tensor; vmap-safe: a one-hot product
-    selects the column, no data-dependent indexing).
+    ``similarity`` is ``[K, K]`` with a zero diagonal, ``weights`` the ``[K]`` client weights ``p``, ``k``
+    the client's index (0-d int tensor; a one-hot product selects row and column, so it is vmap-safe)
+    and ``own_weight`` its ``p_k`` (default ``weights[k]``).
     """
     num = similarity.shape[0]
     onehot = (torch.arange(num, device=similarity.device) == k).to(similarity.dtype)
     column = similarity @ onehot  # S_{·k}
-    degree = column.sum()
-    coeffs = column / degree.clamp_min(torch.finfo(similarity.dtype).tiny)
+    row = onehot @ similarity  # S_{k·}
+    w = weights.to(similarity.dtype)
+    pk = (w @ onehot) if own_weight is None else own_weight.to(similarity.dtype)
+    ratio = torch.where(pk > 0, w / pk.clamp_min(torch.finfo(similarity.dtype).tiny), torch.zeros_like(w))
+    return torch.where(pk > 0, column + ratio * row, torch.zeros_like(column))
+
+
+def similarity_centre(
+    similarity: Tensor, weights: Tensor, models: Params, k: Tensor, own_weight: Tensor | None = None
+) -> tuple[Tensor, Params]:
+    """``(d_k, u_k)`` with ``d_k = Σ_j a_jk`` and ``u_k = Σ_j a_jk w_j / d_k`` (``u_k = 0`` when ``d_k = 0``),
+    ``a_jk = S_jk + (p_j / p_k) S_kj`` (:func:`coupling_column`), so that
+
+        Σ_j a_jk (w_k − w_j) = d_k (w_k − u_k).
+
+    ``models`` holds every client's model stacked ``[K, ...]``.
+    """
+    a = coupling_column(similarity, weights, k, own_weight)
+    degree = a.sum()
+    coeffs = a / degree.clamp_min(torch.finfo(similarity.dtype).tiny)
     return degree, tree_weighted_sum(models, coeffs)
 
 
@@ -220,25 +274,35 @@ def cosine_similarity_matrix(updates: Tensor) -> Tensor:
     return s * (1.0 - torch.eye(s.shape[0], dtype=s.dtype, device=s.device))
 
 
+def _training_mask(weights: Tensor) -> Tensor:
+    """``M_jk = 1`` when both j and k are training clients (``p > 0``), else 0."""
+    t = (weights > 0).to(weights.dtype)
+    return t.unsqueeze(1) * t.unsqueeze(0)
+
+
 class SimilarityRegularizedMTL(RegularizedMTL):
-    """Base of ``mtl_pairwise`` and ``mtl_graph``: Ω = Σ_{j,k} S_jk ‖w_j − w_k‖² over a client similarity S.
+    """Base of ``mtl_pairwise`` and ``mtl_graph``: ``ψ_k(W) = ½ Σ_j S_jk ‖w_k − w_j‖²`` over a similarity S.
 
-    Client k's block objective is the part of the penalty that contains w_k, counted once,
+    Objective (written once in each subclass's module docstring):
+    ``Φ(W) = Σ_k p_k [F_k(w_k) + (λ/2) Σ_j S_jk ‖w_k − w_j‖²]`` over the training clients, where S is
+    restricted to them (rows and columns of held-out clients are zero; the diagonal is ignored).
+    ``w_k`` appears in client k's own penalty (weight p_k, pulls ``S_jk``) and in every client j's
+    (weight p_j, pull ``S_kj``), so
 
-        h_k(w_k) = F_k(w_k) + λ Σ_j S_jk ‖w_k − w_j‖²,
-        ∇h_k(w_k) = ∇F_k(w_k) + 2λ Σ_j S_jk (w_k − w_j) = ∇F_k(w_k) + 2λ d_k (w_k − u_k),
+        (1/p_k) ∂Φ/∂w_k = ∇F_k(w_k) + λ Σ_j a_jk (w_k − w_j) = ∇F_k(w_k) + λ d_k (w_k − u_k),
+        a_jk = S_jk + (p_j / p_k) S_kj,   d_k = Σ_j a_jk,   u_k = Σ_j a_jk w_j / d_k,
 
-    with ``d_k = Σ_j S_jk`` and ``u_k = Σ_j S_jk w_j / d_k`` (the other clients' personal models as
-    stored at the start of the round). The diagonal of S is ignored (``S_kk`` multiplies ``‖w_k − w_k‖² = 0``).
-    For a symmetric S, ``2 d_k (w_k − u_k) = 2 (L W)_k`` with the Laplacian ``L = D − S``: the client
-    step is block gradient descent on ``F_k + λ tr(Wᵀ L W)``.
+    exact for any non-negative S, symmetric or not (for symmetric S and uniform p: a_jk = 2 S_jk). The
+    other clients' models are those stored at the start of the round, an unseen client's read as w̄.
 
-    Server state (all ``[K, ...]``; ``K`` clients): ``models.<name>`` — a server-side copy of every
-    client's personal model (``aggregate`` sees only the sampled clients, so the centres of the others
-    need this copy; it is updated from the returned personal models and equals the client store);
-    ``similarity`` — S with a zero diagonal; and, when S is inferred, ``updates`` — each client's most
-    recent personal update ``w_k_new − w_k_old`` flattened ``[K, P]`` (zero before its first round).
-    A client reads its centre through its index ``idx`` (client state) with a one-hot product, so
+    Server state (``K`` clients): ``models.<name>`` ``[K, ...]`` — a server copy of every client's
+    personal model (``aggregate`` sees only the sampled clients, so the centres of the others need
+    this copy; updated from the returned personal models, it equals the client store); ``seen``
+    ``[K]`` — 1 once the client has trained (rows still 0 are read as w̄); ``weights`` ``[K]`` — p;
+    ``similarity`` ``[K, K]`` — S with zero diagonal and zero rows/columns for held-out clients;
+    ``total`` — P (see :class:`RegularizedMTL`); and, when S is inferred, ``updates`` ``[K, P]`` — each
+    client's latest update ``w_k_new − w_k_start`` flattened (zero before its first round). A client
+    reads its column and row of S through its record's ``index`` with one-hot products, so
     ``client_update`` stays pure and vmappable.
     """
 
@@ -249,24 +313,38 @@ class SimilarityRegularizedMTL(RegularizedMTL):
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         k = self.num_clients
         first = next(iter(params.values()))
-        state = {MODELS + n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in params.items()}
+        like = {"dtype": first.dtype, "device": first.device}
+        state = super().init_server_state(params)
+        state.update(
+            {MODELS + n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in params.items()}
+        )
+        weights = self.client_weight.to(**like)
+        state[WEIGHTS] = weights
+        state[SEEN] = torch.zeros(k, **like)
         fixed = self.fixed_similarity(k)
         if fixed is None:
             size = sum(v.numel() for v in params.values())
-            state[UPDATES] = torch.zeros(k, size, dtype=first.dtype, device=first.device)
-            state[SIMILARITY] = torch.zeros(k, k, dtype=first.dtype, device=first.device)
+            state[UPDATES] = torch.zeros(k, size, **like)
+            state[SIMILARITY] = torch.zeros(k, k, **like)
         else:
-            off_diagonal = fixed * (1.0 - torch.eye(k, dtype=fixed.dtype))
-            state[SIMILARITY] = off_diagonal.to(dtype=first.dtype, device=first.device)
+            off_diagonal = fixed.to(**like) * (1.0 - torch.eye(k, **like))
+            state[SIMILARITY] = off_diagonal * _training_mask(weights)
         return state
 
     def prox_terms(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor]
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> tuple[float | Tensor, Params]:
-        """``c_k = 2λ d_k`` and ``u_k = Σ_j S_jk w_j / d_k``."""
-        models = {n: server_state[MODELS + n] for n in params}
-        degree, centre = similarity_centre(server_state[SIMILARITY], models, state["idx"])
-        return 2.0 * self.lam * degree, centre
+        """``c_k = λ d_k`` and ``u_k = Σ_j a_jk w_j / d_k`` (see the class docstring), unseen ``w_j`` read as w̄."""
+        seen = server_state[SEEN] > 0
+        models = {}
+        for n in params:
+            stored = server_state[MODELS + n]
+            mask = seen.reshape(-1, *([1] * (stored.dim() - 1)))
+            models[n] = torch.where(mask, stored, params[n].unsqueeze(0))
+        degree, centre = similarity_centre(
+            server_state[SIMILARITY], server_state[WEIGHTS], models, client.index, client.weight
+        )
+        return self.lam * degree, centre
 
     def aggregate(
         self,
@@ -274,19 +352,20 @@ class SimilarityRegularizedMTL(RegularizedMTL):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
         """Mean tracking (see :class:`RegularizedMTL`), then write the sampled clients' new personal
-        models (and, when inferring S, their updates and the new S) into the server copies."""
-        delta, _ = super().aggregate(params, outputs, weights, server_state, num_clients)
-        idx = outputs.extras["idx"].to(torch.long)
-        new_state = dict(server_state)
+        models into the server copies, mark them seen and, when inferring S, store their updates and
+        recompute S (held-out clients masked out)."""
+        delta, new_state = super().aggregate(params, outputs, weights, server_state, clients)
+        idx = clients.index.to(torch.long)
         for n in params:
             key = MODELS + n
             new_state[key] = server_state[key].index_copy(0, idx, outputs.state[PERSONAL + n].to(server_state[key]))
+        new_state[SEEN] = server_state[SEEN].index_fill(0, idx, 1.0)
         if UPDATES in server_state:
             flat = torch.cat([outputs.delta[n].reshape(idx.numel(), -1) for n in params], dim=1)
             updates = server_state[UPDATES].index_copy(0, idx, flat.to(server_state[UPDATES]))
             new_state[UPDATES] = updates
-            new_state[SIMILARITY] = cosine_similarity_matrix(updates)
+            new_state[SIMILARITY] = cosine_similarity_matrix(updates) * _training_mask(server_state[WEIGHTS])
         return delta, new_state
