@@ -3,7 +3,8 @@
 * :class:`PlotCallback` records the personalised metrics after every evaluation (round =
   ``trainer.global_step``, the number of completed communication rounds) and writes
   ``accuracy_vs_round.png``, ``client_accuracy_hist.png`` and ``fedmeta_history.json`` into the
-  log dir at fit end and test end (rank zero only). ``fedmeta compare`` reads the JSON.
+  log dir at fit end and test end (rank zero writes; every rank resolves the log dir, a collective
+  call under DDP). ``fedmeta compare`` reads the JSON.
 * :class:`RoundProgressBar` is a ``TQDMProgressBar`` whose training bar counts communication
   rounds over the whole run (``total = trainer.max_steps``) instead of batches per epoch.
 """
@@ -106,14 +107,18 @@ class PlotCallback(Callback):
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer, pl_module, "test")
-        self.write(trainer)
+        self.write(trainer, self.output_dir(trainer))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.write(trainer)
+        self.write(trainer, self.output_dir(trainer))
 
     # -- output -----------------------------------------------------------------------------------
     def output_dir(self, trainer: pl.Trainer) -> Path:
-        """Where the files go: ``dirpath``, else ``trainer.log_dir``, else ``default_root_dir``."""
+        """Where the files go: ``dirpath``, else ``trainer.log_dir``, else ``default_root_dir``.
+
+        ``trainer.log_dir`` is a collective call under DDP (rank zero broadcasts it), so every rank
+        must call this, as the fit-end and test-end hooks do before the rank-zero-only :meth:`write`.
+        """
         if self.dirpath is not None:
             return self.dirpath
         return Path(trainer.log_dir or trainer.default_root_dir)
@@ -130,12 +135,17 @@ class PlotCallback(Callback):
         }
 
     @rank_zero_only
-    def write(self, trainer: pl.Trainer) -> None:
-        """Write the JSON history and both PNGs (rank zero; nothing before the first evaluation, and
-        nothing under ``fast_dev_run``, which Lightning treats as a dry run without outputs)."""
+    def write(self, trainer: pl.Trainer, dirpath: str | Path | None = None) -> None:
+        """Write the JSON history and both PNGs into ``dirpath`` (rank zero; nothing before the first
+        evaluation, and nothing under ``fast_dev_run``, which Lightning treats as a dry run without
+        outputs).
+
+        Under DDP pass ``dirpath`` (from :meth:`output_dir`, called on every rank): without it,
+        rank zero alone would call the collective ``trainer.log_dir`` and fail.
+        """
         if not self.history or trainer.fast_dev_run:
             return
-        out = self.output_dir(trainer)
+        out = Path(dirpath) if dirpath is not None else self.output_dir(trainer)
         out.mkdir(parents=True, exist_ok=True)
         doc = self.to_dict()
         (out / HISTORY_FILE).write_text(json.dumps(doc, indent=1), encoding="utf-8")

@@ -1,8 +1,8 @@
 """The ``fedmeta`` command: LightningCLI for federated runs, plus helper sub-commands.
 
     fedmeta fit      --config configs/quickstart.yaml      # train (Trainer flags as usual)
-    fedmeta validate --config ... --ckpt_path ...           # personalised evaluation
-    fedmeta test     --config ... --ckpt_path ...
+    fedmeta validate --config ... --ckpt_path ...           # personalised evaluation of a checkpoint
+    fedmeta test     --config ... --ckpt_path ...           # (or --untrained true: the initial model)
     fedmeta fit --config configs/quickstart.yaml --print_config
     fedmeta algorithms                                      # every registered algorithm
     fedmeta compare LOGDIR [LOGDIR ...]                     # plot and tabulate several runs
@@ -10,6 +10,11 @@
 The algorithm is chosen by name under ``model.algorithm`` with its hyper-parameters beside it
 (``algorithm: {name: scaffold, local_lr: 0.05}``); ``distribution:name`` picks between two
 plugins that claim the same name.
+
+A configuration error found before anything runs (an unknown algorithm, a hyper-parameter out of
+range, ``test`` without a checkpoint) raises :class:`FedMetaConfigError` (a ``ValueError``) from
+:func:`run`; the ``fedmeta`` console script (:func:`main`) prints its message alone and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -24,9 +29,39 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.module import FederatedModule
 
-__all__ = ["FedMetaCLI", "main", "run", "print_algorithms"]
+__all__ = ["FedMetaCLI", "FedMetaConfigError", "main", "run", "print_algorithms"]
 
 HELPER_COMMANDS = ("algorithms", "compare")
+EVALUATION_COMMANDS = ("validate", "test")
+
+
+class FedMetaConfigError(ValueError):
+    """A configuration refused before anything runs; ``fedmeta`` prints the message alone (exit status 2)."""
+
+
+# Trainer keywords that name a checkpoint of an earlier ``fit`` by the same Trainer: a fresh
+# ``fedmeta validate/test`` process has none ("last" silently loads nothing, "best" fails late)
+_SAME_PROCESS_CKPT_KEYWORDS = ("last", "best")
+
+
+def _check_evaluation_checkpoint(subcommand: str, ckpt_path: Any, untrained: bool) -> None:
+    """Refuse ``validate``/``test`` runs that would evaluate the initial model by accident."""
+    how = (
+        "pass a checkpoint file written by `fedmeta fit`: --ckpt_path PATH/TO/FILE.ckpt (fit saves them "
+        "under <trainer.default_root_dir>/lightning_logs/version_N/checkpoints/)"
+    )
+    if not ckpt_path:
+        if untrained:
+            return
+        raise FedMetaConfigError(
+            f"fedmeta {subcommand} needs a trained model: {how}, or add --untrained true to evaluate the "
+            "initial model (round 0) on purpose"
+        )
+    if str(ckpt_path) in _SAME_PROCESS_CKPT_KEYWORDS:
+        raise FedMetaConfigError(
+            f"--ckpt_path {ckpt_path} names a checkpoint of a fit run by the same Trainer, and "
+            f"`fedmeta {subcommand}` starts a new one; {how}"
+        )
 
 
 class FedMetaCLI(LightningCLI):
@@ -48,9 +83,33 @@ class FedMetaCLI(LightningCLI):
             help="write accuracy-vs-round and per-client histogram PNGs into the log dir at fit/test end",
         )
 
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand in EVALUATION_COMMANDS:
+            parser.add_argument(
+                "--untrained",
+                type=bool,
+                default=False,
+                help="evaluate the model as built from the configuration, before any round (round 0), "
+                "when no --ckpt_path is given; without it, a missing --ckpt_path is an error",
+            )
+        return parser
+
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(self.subcommand) if self.subcommand else self.config
         self._want_plots = bool(cfg.get("plots", True))
+        if self.subcommand in EVALUATION_COMMANDS:
+            _check_evaluation_checkpoint(self.subcommand, cfg.get("ckpt_path"), bool(cfg.get("untrained", False)))
+
+    def instantiate_classes(self) -> None:
+        """Instantiate model, data and trainer; a ``ValueError`` of a constructor (the argument checks
+        of the algorithm, the module, the data) becomes a :class:`FedMetaConfigError`."""
+        try:
+            super().instantiate_classes()
+        except FedMetaConfigError:
+            raise
+        except ValueError as exc:
+            raise FedMetaConfigError(str(exc)) from exc
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """Add the plot callback (unless ``--plots false``) and a progress bar over rounds,
@@ -90,12 +149,24 @@ def print_algorithms(stream: Any = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``fedmeta`` console script (returns nothing, so the exit status is 0)."""
-    run(argv)
+    """Entry point of the ``fedmeta`` console script (returns nothing, so the exit status is 0).
+
+    A :class:`FedMetaConfigError` is printed as ``fedmeta: error: <message>`` on stderr, without a
+    traceback, and exits with status 2 (as argument errors do).
+    """
+    try:
+        run(argv)
+    except FedMetaConfigError as exc:
+        print(f"fedmeta: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run(argv: Sequence[str] | None = None) -> Any:
-    """Run a ``fedmeta`` command and return the CLI object (``None`` for helper sub-commands)."""
+    """Run a ``fedmeta`` command and return the CLI object (``None`` for helper sub-commands).
+
+    Raises:
+        FedMetaConfigError: a configuration refused before anything ran (also a ``ValueError``).
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "algorithms":
         print_algorithms()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
@@ -538,10 +538,11 @@ class FederatedModule(LightningModule):
             rank_zero_info(format_summary(self.last_summary, self._round()))
 
     def on_test_end(self) -> None:
+        directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP: every rank
         if not (self.last_summary and self.trainer.is_global_zero):
             return
         rank_zero_info(format_summary(self.last_summary, self._round()))
-        path = self.write_per_client_csv(self.trainer.log_dir or self.trainer.default_root_dir)
+        path = self.write_per_client_csv(directory)
         rank_zero_info(f"per-client test accuracy written to {path}")
 
     def write_per_client_csv(self, directory: str) -> str:
@@ -659,7 +660,15 @@ class FederatedModule(LightningModule):
         self.server_state = {k: v.clone() for k, v in saved["server_state"].items()}
         self._data_spec = saved.get("data_spec")
         seen = saved.get("seen")
-        self.seen = None if seen is None else seen.clone().to(torch.bool)
+        if seen is not None:
+            self.seen = seen.clone().to(torch.bool)
+        else:  # a checkpoint from before client records: who trained is not known
+            rank_zero_warn(
+                "this checkpoint predates client records (no 'seen' flags): every client is treated as not "
+                "trained yet, so personal models are read as the global model until a client trains again"
+            )
+            if self.seen is not None:
+                self.seen.zero_()
         self._loaded_round = int(checkpoint.get("global_step", 0))
         if self.model is None and self._data_spec is not None:
             model = default_model(tuple(self._data_spec["input_shape"]), int(self._data_spec["num_classes"]))

@@ -10,6 +10,7 @@ Setting ``LIGHTNING_FEDMETA_DISABLE_PLUGINS=1`` ignores every distribution but t
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import warnings
@@ -94,9 +95,12 @@ def _resolve(name: str) -> AlgorithmEntry:
     else:
         matches = [e for e in entries if e.name == name]
     if not matches:
-        available = ", ".join(sorted({e.name for e in entries})) or "(none installed)"
+        names = sorted({e.name for e in entries})
+        available = ", ".join(names) or "(none installed)"
         hint = f" (third-party plugins are hidden because {DISABLE_PLUGINS_ENV} is set)" if _plugins_disabled() else ""
-        raise ValueError(f"unknown algorithm {name!r}; available: {available}{hint}")
+        close = difflib.get_close_matches(name.rpartition(":")[2], names, n=1, cutoff=0.6)
+        suggestion = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown algorithm {name!r}; available: {available}{hint}{suggestion}")
     if len(matches) > 1:
         chosen = matches[0]
         others = ", ".join(e.qualified_name for e in matches[1:])

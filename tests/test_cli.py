@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_fedmeta.cli import run
+from lightning_fedmeta.cli import main, run
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
 QUIET = ["--plots", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -80,3 +80,60 @@ def test_unknown_algorithm_in_the_config_fails_before_training(tmp_path: Path) -
         run(["fit", "--config", QUICKSTART, "--model.algorithm", '{"name": "fedavgx"}',
              "--trainer.default_root_dir", str(tmp_path), *QUIET])
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_unknown_algorithm_from_the_console_script_prints_the_message_alone_with_a_suggestion(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", QUICKSTART, "--model.algorithm", '{"name": "fedavgx"}',
+              "--trainer.default_root_dir", str(tmp_path), *QUIET])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("fedmeta: error: unknown algorithm 'fedavgx'; available: "), err
+    assert "did you mean 'fedavg'?" in lines[-1], err
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_an_unknown_algorithm_name_suggests_the_closest_registered_names() -> None:
+    from lightning_fedmeta.registry import create_algorithm
+
+    with pytest.raises(ValueError, match=r"unknown algorithm 'scafold'; available: .*did you mean 'scaffold'\?"):
+        create_algorithm("scafold")
+    with pytest.raises(ValueError) as info:
+        create_algorithm("qqqqqqqq")
+    assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("subcommand", ["test", "validate"])
+def test_evaluating_without_a_checkpoint_is_refused_with_how_to_pass_one(
+    subcommand: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [subcommand, "--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path), *QUIET]
+    with pytest.raises(ValueError, match=rf"fedmeta {subcommand} needs a trained model: .*--ckpt_path "):
+        run(args)
+    with pytest.raises(SystemExit) as info:  # the console script: one message, exit status 2
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--ckpt_path" in err and "--untrained true" in err
+    assert not list(tmp_path.rglob("*")), "nothing may be evaluated or written"
+
+
+@pytest.mark.parametrize("keyword", ["last", "best"])
+def test_checkpoint_keywords_of_an_earlier_fit_are_refused_by_a_fresh_test(keyword: str, tmp_path: Path) -> None:
+    # Lightning resolves them from the same Trainer's fit: in a new process "last" loads nothing
+    # (a warning, then the untrained model is scored) and "best" fails after building everything
+    with pytest.raises(ValueError, match=rf"--ckpt_path {keyword} names a checkpoint of a fit run by the same"):
+        run(["test", "--config", QUICKSTART, "--ckpt_path", keyword, "--trainer.default_root_dir", str(tmp_path),
+             *QUIET])
+    assert not list(tmp_path.rglob("*"))
+
+
+def test_untrained_flag_evaluates_the_initial_model_at_round_0(tmp_path: Path) -> None:
+    cli = run(["test", "--config", QUICKSTART, "--untrained", "true", "--trainer.default_root_dir", str(tmp_path),
+               *QUIET])
+    assert cli.model._round() == 0  # type: ignore[attr-defined]
+    assert 0.0 <= float(cli.trainer.callback_metrics["test/acc_weighted"]) <= 1.0  # type: ignore[attr-defined]

@@ -13,8 +13,10 @@ from conftest import make_trainer, tiny_datamodule
 from ddp_worker import run_tiny
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.callbacks import HISTORY_FILE, read_history
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def _fit(precision: str) -> tuple[FederatedModule, dict[str, torch.Tensor]]:
@@ -58,3 +60,31 @@ def test_ddp_on_two_cpu_processes_equals_the_single_process_run(tmp_path: Path) 
         assert set(ddp[group]) == set(single[group]), group
         for k, v in single[group].items():
             torch.testing.assert_close(ddp[group][k], v, atol=1e-6, rtol=0, msg=f"{group}/{k}")
+
+
+def test_ddp_fit_from_the_command_line_with_default_plots_writes_the_table_and_the_history(tmp_path: Path) -> None:
+    """``fedmeta fit --config configs/quickstart.yaml --trainer.strategy ddp --trainer.devices 2
+    --trainer.accelerator cpu`` with the CLI's defaults (plots on): the end-of-fit outputs are written
+    by rank zero without a collective call that the other rank never joins."""
+    script = Path(sys.executable).with_name("fedmeta")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_fedmeta.cli"]
+    root = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MPLBACKEND": "Agg"}
+    proc = subprocess.run(
+        [*command, "fit", "--config", str(QUICKSTART), "--trainer.strategy", "ddp", "--trainer.devices", "2",
+         "--trainer.accelerator", "cpu", "--trainer.max_steps", "5", "--data.eval_every", "2",
+         "--trainer.default_root_dir", str(root)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Personalized evaluation after round 5" in output, output[-4000:]
+    histories = list(root.rglob(HISTORY_FILE))
+    assert len(histories) == 1, histories
+    doc = read_history(histories[0])
+    # both ranks end the last, shorter epoch at round 5 and evaluate the final model there
+    assert [(h["round"], h["stage"]) for h in doc["history"]] == [(2, "val"), (4, "val"), (5, "val")]
+    assert doc["per_client_round"] == 5
+    assert len(doc["per_client_accuracy"]) == 30
+    for name in ("accuracy_vs_round.png", "client_accuracy_hist.png"):
+        assert (histories[0].parent / name).stat().st_size > 5000, name

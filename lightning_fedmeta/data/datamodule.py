@@ -4,16 +4,19 @@ The module does not serve mini-batches. It builds one :class:`FederatedData` (al
 tensors, kept on CPU) that the federated LightningModule reads from
 ``trainer.datamodule.federated_data``; the dataloaders only yield round counters:
 
-* ``train_dataloader()`` yields ``eval_every`` items, so one Lightning training epoch is
-  ``eval_every`` communication rounds (one round per training step) and validation runs every
-  ``eval_every`` rounds;
+* ``train_dataloader()`` yields one item per communication round (one round per training step) up
+  to the next evaluation: the next multiple of ``eval_every``, or ``trainer.max_steps`` when that
+  comes first. One Lightning training epoch is thus ``eval_every`` rounds, validation (which
+  Lightning runs at epoch end) happens after every multiple of ``eval_every`` and after the final
+  round, and a run resumed between two evaluations keeps the same schedule
+  (:func:`rounds_until_evaluation`);
 * ``val_dataloader()`` / ``test_dataloader()`` yield one item: a single evaluation step in which
   the module evaluates every client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import lightning as L
 import torch
@@ -40,7 +43,14 @@ from lightning_fedmeta.data.partition import (
 )
 from lightning_fedmeta.data.synthetic import make_synthetic
 
-__all__ = ["DATASET_NAMES", "PARTITION_NAMES", "FederatedDataModule", "RoundCounter"]
+__all__ = [
+    "DATASET_NAMES",
+    "PARTITION_NAMES",
+    "FederatedDataModule",
+    "RoundCounter",
+    "TrainingRounds",
+    "rounds_until_evaluation",
+]
 
 DATASET_NAMES: tuple[str, ...] = ("synthetic", *IMAGE_DATASETS)
 PARTITION_NAMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "perfedavg_paper")
@@ -59,6 +69,49 @@ class RoundCounter(IterableDataset):
 
     def __iter__(self) -> Iterator[Tensor]:
         return (torch.tensor(i) for i in range(self.n))
+
+
+def rounds_until_evaluation(done: int, eval_every: int, max_steps: int | None) -> int:
+    """Rounds to train from ``done`` completed rounds until the next evaluation.
+
+    Evaluations follow every round that is a multiple of ``eval_every`` and the final round
+    ``max_steps`` (``None`` or ``-1``: no limit), whatever round a run was started or resumed at.
+    """
+    n = eval_every - done % eval_every
+    if max_steps is not None and max_steps >= 0:
+        n = min(n, max_steps - done)
+    return max(n, 0)
+
+
+class TrainingRounds(IterableDataset):
+    """The training tokens of one epoch: one per round from the current one to the next evaluation.
+
+    Each ``iter()`` (Lightning calls it once per epoch, after a checkpoint is restored) asks
+    ``progress()`` for ``(completed rounds r, max_steps)`` and yields
+    ``n = rounds_until_evaluation(r, eval_every, max_steps)`` tokens, each the round's position
+    ``(r + i) % eval_every`` within its evaluation interval (Lightning's ``batch_idx``; the module
+    ignores the values). Lightning runs validation after the last item, so the epoch
+    ends exactly at the next multiple of ``eval_every`` or at ``max_steps``. Under DDP every rank
+    reads the same global step and ``max_steps``, so the ranks agree on the count.
+
+    Deliberately has no ``__len__``: its length changes from epoch to epoch, and Lightning takes an
+    ``IterableDataset`` without a length as "ends when the iterator does".
+
+    Args:
+        eval_every: rounds between evaluations.
+        progress: returns ``(completed rounds, max_steps)``; ``None`` (no trainer) gives whole
+            epochs of ``eval_every`` rounds from round 0.
+    """
+
+    def __init__(self, eval_every: int, progress: Callable[[], tuple[int, int | None]] | None = None) -> None:
+        super().__init__()
+        self.eval_every = int(eval_every)
+        self.progress = progress
+
+    def __iter__(self) -> Iterator[Tensor]:
+        done, max_steps = self.progress() if self.progress is not None else (0, None)
+        n = rounds_until_evaluation(done, self.eval_every, max_steps)
+        return (torch.tensor((done + i) % self.eval_every) for i in range(n))
 
 
 class FederatedDataModule(L.LightningDataModule):
@@ -83,7 +136,8 @@ class FederatedDataModule(L.LightningDataModule):
             ``"dirichlet"`` and ``"shards"`` (a random subset is kept); ``None`` for no cap.
         synthetic_alpha: model heterogeneity ``alpha >= 0`` of Synthetic(alpha, beta).
         synthetic_beta: input heterogeneity ``beta >= 0`` of Synthetic(alpha, beta).
-        eval_every: communication rounds per training epoch (validation runs after each), ``>= 1``.
+        eval_every: communication rounds per training epoch (validation runs after each, and after
+            the final round), ``>= 1``.
         data_seed: seed of the partition, the test split and the synthetic generator.
 
     Each client's test set: for ``"synthetic"``, 10% of the client's own samples (as FedProx); for
@@ -213,12 +267,20 @@ class FederatedDataModule(L.LightningDataModule):
         return _gather(train_x, train_y, parts, test_x, test_y, test_parts, _NUM_CLASSES[self.dataset])
 
     def train_dataloader(self) -> DataLoader:
-        """``eval_every`` round tokens: one per communication round.
+        """One token per communication round up to the next evaluation (:class:`TrainingRounds`):
+        ``eval_every`` rounds, fewer when ``trainer.max_steps`` or a resumed round comes in between.
 
         An ``IterableDataset`` is not given a ``DistributedSampler`` by Lightning, so under DDP
-        every rank iterates all ``eval_every`` items (the rounds are not sharded across ranks).
+        every rank iterates all items (the rounds are not sharded across ranks).
         """
-        return DataLoader(RoundCounter(self.eval_every), batch_size=None)
+        return DataLoader(TrainingRounds(self.eval_every, self._training_progress), batch_size=None)
+
+    def _training_progress(self) -> tuple[int, int | None]:
+        """``(global_step, max_steps)`` of the attached trainer; ``(0, None)`` without one."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, None
+        return int(trainer.global_step), trainer.max_steps
 
     def val_dataloader(self) -> DataLoader:
         """One token: a single validation step that evaluates all clients."""
