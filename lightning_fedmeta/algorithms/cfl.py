@@ -12,7 +12,7 @@ latest updates, with complete-linkage agglomerative clustering into two groups (
 reference code: ``AgglomerativeClustering(linkage="complete")`` on −α); both halves start from θ_c.
 Defaults ε₁ = 0.4, ε₂ = 1.6, 20 warm-up rounds are those of the reference code.
 
-Static shapes (DESIGN.md, contract 1: everything is checkpointed and resumes bit for bit): the
+Static shapes (docs/design.md, contract 1: everything is checkpointed and resumes bit for bit): the
 server state holds ``max_clusters`` cluster-model slots ``[max_clusters, ...]`` of which the first
 ``num_clusters`` are in use, the cluster ``membership [K]`` of every client, and each client's
 latest update ``last_update [K, P]`` with a ``fresh [K]`` flag (False once the client's cluster has
@@ -22,8 +22,12 @@ With partial participation the split uses the members' most recent updates; memb
 stay in the first half and are split off later if they disagree. A cluster cannot split once all
 ``max_clusters`` slots are used.
 
-Evaluation: a training client uses its cluster's model; a held-out client the active cluster model
-with the lowest loss on its training batches; then ``finetune_steps`` optional SGD steps.
+Clients are known by their :class:`~lightning_fedmeta.algorithms.base.ClientRecord`: ``client.index``
+is the client's row of ``membership`` and ``last_update``. Evaluation: a training client uses its
+cluster's model; a new client (``client.is_new``: held out of training, or a client outside the
+federation, ``FederatedModule.personalize((x, y))``) the active cluster model with the lowest loss on
+its training batches (its ``membership`` row is never trained: it stays 0); then ``finetune_steps``
+optional SGD steps.
 """
 
 from __future__ import annotations
@@ -31,9 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import BatchPlan, ClientOutput, check_non_negative
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.algorithms.clustering import (
-    ClientIndexing,
     cluster_means,
     complete_linkage_bipartition,
     cosine_similarity_matrix,
@@ -48,7 +51,7 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub,
 __all__ = ["CFL"]
 
 
-class CFL(ClientIndexing):
+class CFL(Algorithm):
     """Clustered FL: recursive bi-partitioning of clients whose updates disagree at a stationary point.
 
     Args:
@@ -62,6 +65,7 @@ class CFL(ClientIndexing):
 
     name = "cfl"
     summary = "CFL: split clusters by cosine similarity of updates at stationarity (Sattler et al., 2020)"
+    server_optimizer_applies = False
 
     def __init__(
         self,
@@ -92,12 +96,18 @@ class CFL(ClientIndexing):
         self.min_split_size = min_split_size
 
     # -- state ---------------------------------------------------------------------------------
-    def init_client_states(self, params: Params, train_counts: Tensor) -> dict[str, Tensor]:
-        ids = self.client_ids(train_counts)
-        return {"client_id": ids, "cluster": torch.full_like(ids, -1)}
+    def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:
+        """Record ``K``: the server keeps every client's cluster membership and latest update."""
+        self._num_clients = int(clients.index.numel())
+
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        return {"cluster": torch.tensor(-1, dtype=torch.long)}
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
-        k = self.population()
+        k = getattr(self, "_num_clients", None)
+        if k is None:
+            raise RuntimeError("CFL.init_server_state needs bind_clients(clients, label_counts) first "
+                               "(FederatedModule.attach_data calls it)")
         size = sum(v.numel() for v in params.values())
         dtype = next(iter(params.values())).dtype
         state = {}
@@ -117,9 +127,9 @@ class CFL(ClientIndexing):
         """The cluster-model slots ``{name: [max_clusters, ...]}`` (the first ``num_clusters`` are in use)."""
         return {k[len("cluster."):]: v for k, v in server_state.items() if k.startswith("cluster.")}
 
-    def _cluster_of(self, state: dict[str, Tensor], server_state: dict[str, Tensor]) -> Tensor:
+    def _cluster_of(self, client: ClientRecord, server_state: dict[str, Tensor]) -> Tensor:
         membership = server_state["membership"]
-        mine = one_hot(state["client_id"], membership.numel(), membership.dtype)
+        mine = one_hot(client.index, membership.numel(), membership.dtype)
         return (membership * mine).sum()
 
     # -- client and server ---------------------------------------------------------------------
@@ -130,16 +140,17 @@ class CFL(ClientIndexing):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> ClientOutput:
-        c = self._cluster_of(state, server_state)
+        c = self._cluster_of(client, server_state)
         pick = one_hot(c, self.max_clusters, next(iter(params.values())).dtype)
         start = select_row(self.clusters(server_state), pick)
         w, loss = local_sgd(ctx, start, batches, self.local_lr)
         update = tree_sub(w, start)
         return ClientOutput(
             delta=tree_sub(w, params),
-            state={"client_id": state["client_id"], "cluster": c},
-            extras={"assign": pick, "client_id": state["client_id"], **{f"update.{n}": v for n, v in update.items()}},
+            state={"cluster": c},
+            extras={"assign": pick, **{f"update.{n}": v for n, v in update.items()}},
             metrics={"loss": loss},
         )
 
@@ -149,7 +160,7 @@ class CFL(ClientIndexing):
         outputs: ClientOutput,
         weights: Tensor,
         server_state: dict[str, Tensor],
-        num_clients: int,
+        clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
         assign = outputs.extras["assign"]
         updates = {n: outputs.extras[f"update.{n}"] for n in params}
@@ -158,7 +169,7 @@ class CFL(ClientIndexing):
         models = {n: starts[n] + updates[n] for n in params}
         new_clusters, mass = cluster_means(clusters, models, assign, weights)
 
-        ids = outputs.extras["client_id"]
+        ids = clients.index
         flat = flatten_rows(updates)
         last_update = server_state["last_update"].index_copy(0, ids, flat.to(server_state["last_update"].dtype))
         fresh = server_state["fresh"].index_copy(0, ids, torch.ones_like(ids, dtype=torch.bool))
@@ -212,12 +223,12 @@ class CFL(ClientIndexing):
         batches: Batch,
         state: dict[str, Tensor],
         server_state: dict[str, Tensor],
+        client: ClientRecord,
     ) -> Params:
         clusters = self.clusters(server_state)
         losses = cluster_losses(ctx, clusters, batches)
         active = torch.arange(self.max_clusters, device=losses.device) < server_state["num_clusters"]
         best = torch.where(active, losses, torch.full_like(losses, float("inf"))).argmin()
-        known = state["client_id"] >= 0
-        c = torch.where(known, self._cluster_of(state, server_state), best)
+        c = torch.where(client.is_new, best, self._cluster_of(client, server_state))
         w = select_row(clusters, one_hot(c, self.max_clusters, losses.dtype))
         return self.finetune(ctx, w, batches, self.finetune_steps)

@@ -3,11 +3,11 @@
 * vmap-safe selection of one row of a stacked ``[k, ...]`` parameter tree by a one-hot vector
   (``Σ_j e_j θ_j``), so a client can start from "its" cluster model under ``torch.func.vmap``;
 * per-cluster weighted means of the clients' models (a cluster nobody picked keeps its model);
-* deterministic initial cluster models (perturbations of the global model from a fixed seed);
+* deterministic initial cluster models: perturbations of the global model from a fixed seed, or
+  :func:`kmeans_plus_plus`, weighted k-means++ seeding (Arthur & Vassilvitskii, SODA 2007) refined by
+  Lloyd iterations, with restarts scored by inertia, on the clients' first-round updates;
 * the cosine-similarity matrix of client updates and its bi-partition by complete-linkage
   agglomerative clustering (Sattler, Müller & Samek, IEEE TNNLS 2020, and their reference code);
-* :class:`ClientIndexing`, an Algorithm base that gives every client its index in the population
-  (the loop does not pass client indices to ``client_update``; see the class docstring);
 * :func:`adjusted_rand_index` (Hubert & Arabie, 1985) to score a recovered partition.
 """
 
@@ -19,14 +19,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.functional import Params
 
 __all__ = [
-    "ClientIndexing",
     "one_hot",
     "select_row",
     "stack_perturbed",
+    "gram_matrix",
+    "kmeans_plus_plus",
     "cluster_means",
     "flatten_rows",
     "cosine_similarity_matrix",
@@ -61,6 +61,90 @@ def stack_perturbed(params: Params, k: int, noise: float, seed: int) -> Params:
         eps[0] = 0.0
         out[name] = p.detach().unsqueeze(0) + scale * eps.to(p.device)
     return out
+
+
+def gram_matrix(points: Tensor, chunk: int = 1 << 16) -> Tensor:
+    """``[n, n]`` float64 CPU Gram matrix ``⟨x_i, x_j⟩`` of the rows of ``points [n, P]``, summed over
+    column chunks so that no float64 copy of all of ``points`` is made."""
+    x = points.detach().reshape(points.shape[0], -1)
+    gram = torch.zeros(x.shape[0], x.shape[0], dtype=torch.float64)
+    for s in range(0, x.shape[1], chunk):
+        part = x[:, s : s + chunk].to("cpu", torch.float64)
+        gram += part @ part.t()
+    return gram
+
+
+def kmeans_plus_plus(
+    points: Tensor,
+    k: int,
+    seed: int,
+    weights: Tensor | None = None,
+    restarts: int = 10,
+    max_iter: int = 100,
+) -> Tensor:
+    """Weighted k-means of the rows of ``points [n, P]`` into ``k`` groups; returns labels ``[n]`` in ``[0, k)``.
+
+    Each restart seeds the centers by k-means++ (Arthur & Vassilvitskii, "k-means++: the advantages
+    of careful seeding", SODA 2007): the first center is a point drawn with probability ∝ ``w_i``, each
+    next one a point drawn with probability ∝ ``w_i D(x_i)²`` (``D`` = distance to the nearest center
+    chosen so far); then Lloyd iterations (assign to the nearest center, move each center to the
+    ``w``-weighted mean of its points; an empty group keeps its center) run until the labels stop
+    changing. The restart with the lowest inertia ``Σ_i w_i D(x_i)²`` is kept (the first on ties).
+    When all remaining mass is at distance 0 (fewer distinct points than ``k``), further centers
+    duplicate points and some groups stay empty; ties go to the lowest group index.
+
+    Distances come from the ``n × n`` Gram matrix (:func:`gram_matrix`; every center is a convex
+    combination of points), so the cost is one pass over ``points`` plus ``O(n² k)`` per iteration,
+    whatever the number of parameters ``P``. Everything runs on the CPU in float64 with draws from
+    ``torch.Generator().manual_seed(seed)``: the labels are a pure function of
+    ``(points, weights, k, seed, restarts)``.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n = points.shape[0]
+    if n == 0:
+        raise ValueError("k-means needs at least one point")
+    gram = gram_matrix(points)
+    sq = gram.diagonal().clone()
+    w = torch.ones(n, dtype=torch.float64) if weights is None else weights.detach().to("cpu", torch.float64)
+    w = w.clamp_min(0)
+    if not float(w.sum()) > 0:
+        w = torch.ones(n, dtype=torch.float64)
+
+    def to_point(c: int) -> Tensor:  # ‖x_i − x_c‖² for all i
+        return (sq + sq[c] - 2 * gram[:, c]).clamp_min(0)
+
+    def to_centers(coef: Tensor) -> Tensor:  # [n, k]: ‖x_i − μ_j‖², μ_j = Σ_l coef[j, l] x_l
+        cross = coef @ gram  # [k, n]: ⟨μ_j, x_i⟩
+        return (sq.unsqueeze(1) - 2 * cross.t() + (cross * coef).sum(1).unsqueeze(0)).clamp_min(0)
+
+    g = torch.Generator().manual_seed(seed)
+    best_labels, best_inertia = torch.zeros(n, dtype=torch.long), float("inf")
+    for _ in range(max(1, restarts)):
+        chosen = [int(torch.multinomial(w / w.sum(), 1, generator=g))]
+        d2 = to_point(chosen[0])
+        for _ in range(1, k):
+            mass = w * d2
+            prob = mass / mass.sum() if float(mass.sum()) > 0 else w / w.sum()
+            chosen.append(int(torch.multinomial(prob, 1, generator=g)))
+            d2 = torch.minimum(d2, to_point(chosen[-1]))
+        coef = torch.zeros(k, n, dtype=torch.float64)
+        coef[torch.arange(k), torch.tensor(chosen)] = 1.0
+        dist = to_centers(coef)
+        labels = dist.argmin(1)
+        for _ in range(max_iter):
+            member = (labels.unsqueeze(0) == torch.arange(k).unsqueeze(1)).to(torch.float64) * w  # [k, n]
+            size = member.sum(1, keepdim=True)
+            coef = torch.where(size > 0, member / size.clamp_min(torch.finfo(torch.float64).tiny), coef)
+            dist = to_centers(coef)
+            new = dist.argmin(1)
+            if torch.equal(new, labels):
+                break
+            labels = new
+        inertia = float((w * dist.gather(1, labels.unsqueeze(1)).squeeze(1)).sum())
+        if inertia < best_inertia:
+            best_labels, best_inertia = labels, inertia
+    return best_labels
 
 
 def cluster_means(current: Params, models: Params, assign: Tensor, weights: Tensor) -> tuple[Params, Tensor]:
@@ -164,42 +248,3 @@ def adjusted_rand_index(labels_a: Tensor | list[int], labels_b: Tensor | list[in
     if maximum == expected:
         return 1.0
     return (index - expected) / (maximum - expected)
-
-
-class ClientIndexing(Algorithm):
-    """An :class:`Algorithm` base that gives each client its row index, for per-client server tensors.
-
-    ``client_update`` receives a client's state row but not its index, yet CFL (cluster membership)
-    and MOCHA (per-task models) keep one server row per client. They store ``client_id`` in the
-    client state. The population size ``K`` comes from :meth:`bind_clients` (called by the loop
-    before any state is initialised; without it, the first :meth:`client_ids` call records it). A
-    call for all ``K`` clients gives ``0..K-1``; the fresh states the loop builds for a subset of
-    held-out clients at evaluation get ``-1`` ("unknown client"), which the algorithms treat as a
-    new client. One algorithm instance serves one population (build one per FederatedModule).
-    """
-
-    _population: int | None = None
-    _population_width: int | None = None
-
-    def bind_clients(self, train_counts: Tensor, label_counts: Tensor) -> None:
-        super().bind_clients(train_counts, label_counts)
-        self._population = int(train_counts.numel())
-        self._population_width = int(train_counts.max()) if self._population else 0
-
-    def client_ids(self, train_counts: Tensor) -> Tensor:
-        k = int(train_counts.numel())
-        if self._population is None:
-            self._population = k
-            self._population_width = int(train_counts.max()) if k else 0
-        if k == self._population:
-            return torch.arange(k, dtype=torch.long)
-        return torch.full((k,), -1, dtype=torch.long)
-
-    def population(self) -> int:
-        if self._population is None:
-            raise RuntimeError(
-                f"{type(self).__name__} needs bind_clients(train_counts, label_counts) or "
-                "init_client_states(params, train_counts) before init_server_state(params) "
-                "(FederatedModule.attach_data calls them)"
-            )
-        return self._population
