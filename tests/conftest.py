@@ -10,10 +10,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedmeta import ClientRecord, client_records
+from lightning_fedmeta import ClientRecord, FederatedModule, client_records
 from lightning_fedmeta.data import FederatedData, FederatedDataModule, from_client_tensors
 
-__all__ = ["TinyDataset", "make_tiny_clients", "make_trainer", "one_client", "tiny_data", "tiny_datamodule"]
+__all__ = [
+    "TinyDataset", "make_tiny_clients", "make_trainer", "one_client", "run_plain_rounds", "tiny_data",
+    "tiny_datamodule",
+]
 
 # The suite runs many tiny models: one intra-op thread avoids the thread wake-up overhead that
 # dominates at these sizes (and oversubscription when a test starts extra processes).
@@ -44,6 +47,23 @@ def one_client(num_samples: int = 10, index: int = 0, weight: float = 1.0, seen:
     """The record of one client (unstacked, as ``client_update`` receives it), for direct calls."""
     stacked = client_records([num_samples], weight=[weight], is_new=[is_new], seen=[seen], index=[index])
     return ClientRecord(*(t[0] for t in stacked))
+
+
+def run_plain_rounds(module: FederatedModule, rounds: int, first: int = 0) -> list[Tensor]:
+    """Rounds ``first .. first + rounds − 1`` as ``training_step`` runs them with ``SGD(lr=1)``, without a
+    Trainer: w ← w + Δ, then states, server state and ``seen`` written back. Returns the sampled clients."""
+    sampled_per_round = []
+    for r in range(first, first + rounds):
+        sampled, out, weights = module.compute_round(r)
+        delta, server_state = module.algorithm.aggregate(
+            module._global_params(), out, weights, module.server_state, module.records(sampled)
+        )
+        with torch.no_grad():
+            for name, p in module.model.named_parameters():
+                p.add_(delta[name])
+        module.commit_round(sampled, out, server_state)
+        sampled_per_round.append(sampled)
+    return sampled_per_round
 
 
 def tiny_data(num_clients: int = 6, seed: int = 0) -> FederatedData:

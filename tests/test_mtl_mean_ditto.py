@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_trainer, one_client, tiny_data, tiny_datamodule
+from conftest import make_trainer, one_client, run_plain_rounds, tiny_data, tiny_datamodule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -27,22 +27,6 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3,
         model=nn.Linear(5, 3), algorithm=dict(algorithm), clients_per_round=clients_per_round,
         client_batching=batching, seed=1,
     )
-
-
-def _run_rounds(module: FederatedModule, rounds: int) -> list[torch.Tensor]:
-    """What ``training_step`` does with ``SGD(lr=1)``: w ← w + Δ; returns the sampled clients per round."""
-    sampled_per_round = []
-    for r in range(rounds):
-        sampled, out, weights = module.compute_round(r)
-        delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, module.records(sampled)
-        )
-        with torch.no_grad():
-            for name, p in module.model.named_parameters():
-                p.add_(delta[name])
-        module.commit_round(sampled, out, server_state)
-        sampled_per_round.append(sampled)
-    return sampled_per_round
 
 
 def _personal(module: FederatedModule, prefix: str) -> dict[str, torch.Tensor]:
@@ -68,7 +52,7 @@ def test_mtl_mean_lambda_zero_personal_models_are_independent_local_sgd() -> Non
         for i, c in enumerate(sampled.tolist()):
             one = Batch(batches.x[i], batches.y[i], batches.mask[i])
             expected[c], _ = local_sgd(module.ctx, expected.get(c, w_bar), one, module.algorithm.local_lr)
-        sampled_per_round += _run_round(module, r)
+        sampled_per_round += run_plain_rounds(module, 1, first=r)
         assert torch.equal(sampled, sampled_per_round[r])
     personal = _personal(module, "w.")
     for c, w in expected.items():
@@ -87,19 +71,6 @@ def test_mtl_mean_lambda_zero_personal_models_are_independent_local_sgd() -> Non
     assert not torch.equal(personal["weight"][int(trained[0])], init["weight"]), "the clients did not train"
 
 
-def _run_round(module: FederatedModule, round_idx: int) -> list[torch.Tensor]:
-    """One round as ``training_step`` runs it (w ← w + Δ, states and ``seen`` written back); ``[sampled]``."""
-    sampled, out, weights = module.compute_round(round_idx)
-    delta, server_state = module.algorithm.aggregate(
-        module._global_params(), out, weights, module.server_state, module.records(sampled)
-    )
-    with torch.no_grad():
-        for name, p in module.model.named_parameters():
-            p.add_(delta[name])
-    module.commit_round(sampled, out, server_state)
-    return [sampled]
-
-
 def test_mtl_mean_global_params_equal_weighted_mean_of_all_personal_models() -> None:
     """w̄ = Σ_k p_k w_k over the training clients, an unseen client's w_k read as w̄ (equivalently
     w̄ = Σ_{seen} p_k w_k / Σ_{seen} p_k)."""
@@ -109,7 +80,7 @@ def test_mtl_mean_global_params_equal_weighted_mean_of_all_personal_models() -> 
     p = data.train_counts.double() / data.train_counts.sum()
     assert torch.equal(module.client_weight, p)
     for r in range(6):
-        _run_round(module, r)
+        run_plain_rounds(module, 1, first=r)
         personal = _personal(module, "w.")
         seen = module.seen
         for name, w in module._global_params().items():
@@ -128,7 +99,7 @@ def test_mtl_mean_lambda_pulls_personal_models_together() -> None:
     for lam in (0.0, 2.0):
         module = _module({**MTL_MEAN, "lam": lam, "local_lr": 0.1, "local_steps": 2}, "vmap", clients_per_round=6)
         module.attach_data(tiny_data())
-        _run_rounds(module, 3)
+        run_plain_rounds(module, 3)
         w = _personal(module, "w.")["weight"]
         spread[lam] = float((w - w.mean(0)).pow(2).sum())
     assert spread[2.0] < 0.5 * spread[0.0]
@@ -229,7 +200,7 @@ def test_loop_and_vmap_clients_agree(algorithm: dict) -> None:
     for mode in ("loop", "vmap"):
         module = _module(algorithm, mode)
         module.attach_data(tiny_data())
-        _run_rounds(module, 3)
+        run_plain_rounds(module, 3)
         runs[mode] = module
     for k, v in runs["loop"].model.state_dict().items():
         torch.testing.assert_close(runs["vmap"].model.state_dict()[k], v, rtol=0, atol=1e-6)

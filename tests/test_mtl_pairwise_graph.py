@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_data
+from conftest import run_plain_rounds, tiny_data
 from torch import nn
 from torch.func import grad
 
@@ -30,19 +30,6 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3)
         model=nn.Linear(5, 3), algorithm=dict(algorithm), clients_per_round=clients_per_round,
         client_batching=batching, seed=2,
     )
-
-
-def _run_rounds(module: FederatedModule, rounds: int) -> None:
-    """What ``training_step`` does with ``SGD(lr=1)``: w ← w + Δ, then the states and ``seen`` are written back."""
-    for r in range(rounds):
-        sampled, out, weights = module.compute_round(r)
-        delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, module.records(sampled)
-        )
-        with torch.no_grad():
-            for name, p in module.model.named_parameters():
-                p.add_(delta[name])
-        module.commit_round(sampled, out, server_state)
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
@@ -120,7 +107,7 @@ def test_inferred_similarity_is_clipped_cosine_of_latest_updates() -> None:
     module = _module({k: v for k, v in PAIRWISE.items()})
     module.attach_data(tiny_data())
     init = {k: v.clone() for k, v in module._global_params().items()}
-    _run_rounds(module, 2)
+    run_plain_rounds(module, 2)
     personal = _personal(module)
     updates = module.server_state["updates"]
     trained = updates.abs().sum(1) > 0
@@ -141,7 +128,7 @@ def test_loop_and_vmap_clients_agree(algorithm: dict) -> None:
     for mode in ("loop", "vmap"):
         module = _module(algorithm, mode)
         module.attach_data(tiny_data())
-        _run_rounds(module, 3)
+        run_plain_rounds(module, 3)
         runs[mode] = module
     for k, v in runs["loop"].model.state_dict().items():
         torch.testing.assert_close(runs["vmap"].model.state_dict()[k], v, rtol=0, atol=1e-6)
@@ -161,7 +148,7 @@ def test_graph_chain_makes_personal_models_smoother_along_the_chain() -> None:
         module = _module({**GRAPH, "lam": lam, "local_lr": 0.1}, "vmap", clients_per_round=6)
         data = tiny_data()
         module.attach_data(data)
-        _run_rounds(module, 4)
+        run_plain_rounds(module, 4)
         personal = _personal(module)
         roughness[lam] = _chain_roughness(personal)
         p = module.client_weight

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import one_client, tiny_data
+from conftest import one_client, run_plain_rounds, tiny_data
 from torch import nn
 from torch.func import grad
 
@@ -27,19 +27,6 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3)
     )
 
 
-def _run_rounds(module: FederatedModule, rounds: int) -> None:
-    """What ``training_step`` does with ``SGD(lr=1)``: w ← w + Δ, then the states are written back."""
-    for r in range(rounds):
-        sampled, out, weights = module.compute_round(r)
-        delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, module.records(sampled)
-        )
-        with torch.no_grad():
-            for name, p in module.model.named_parameters():
-                p.add_(delta[name])
-        module.commit_round(sampled, out, server_state)
-
-
 def test_default_head_is_the_last_layer() -> None:
     names = [n for n, _ in _net().named_parameters()]
     assert head_names(names, None) == ["2.weight", "2.bias"]
@@ -56,7 +43,7 @@ def test_body_is_shared_heads_stay_personal_and_the_global_head_is_their_mean(al
     module = _module(algorithm, "vmap", clients_per_round=6)
     module.attach_data(tiny_data())
     init = {k: v.clone() for k, v in module._global_params().items()}
-    _run_rounds(module, 3)
+    run_plain_rounds(module, 3)
     params = module._global_params()
     alg = module.algorithm
     states = module.client_states.tensors
@@ -82,7 +69,7 @@ def test_body_is_shared_heads_stay_personal_and_the_global_head_is_their_mean(al
 def test_a_client_that_never_trained_uses_the_mean_head_not_its_initial_one(algorithm: dict) -> None:
     module = _module(algorithm, "vmap", clients_per_round=2)
     module.attach_data(tiny_data())
-    _run_rounds(module, 1)
+    run_plain_rounds(module, 1)
     never = int((~module.seen).nonzero()[0, 0])
     params = module._global_params()
     state = {k: v[never] for k, v in module.client_states.tensors.items()}
@@ -144,7 +131,7 @@ def test_loop_and_vmap_clients_agree(algorithm: dict) -> None:
     for mode in ("loop", "vmap"):
         module = _module(algorithm, mode)
         module.attach_data(tiny_data())
-        _run_rounds(module, 3)
+        run_plain_rounds(module, 3)
         runs[mode] = module
     for k, v in runs["loop"].model.state_dict().items():
         torch.testing.assert_close(runs["vmap"].model.state_dict()[k], v, rtol=0, atol=1e-6)
