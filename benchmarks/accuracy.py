@@ -68,6 +68,12 @@ RESULTS_FILE = "results.jsonl"
 #   fedmaml:           2τ first order, 4τ with ``second_order`` (per (D^tr, D^val) pair:
 #                      ∇L(θ; D^tr), ∇L(θ′; D^val), + one Hessian-vector product)
 #   perfedmaml:        2τ first order, 4τ with ``second_order`` (per meta-step, as fedmaml)
+#   ditto:             τ + s        (τ FedAvg steps of the global model, s = ``personal_steps`` personal steps)
+#   fedrep:            h + τ        (h = ``head_steps`` head-only steps, then τ body-only steps)
+#   fedper, mtl_mean, mtl_pairwise, mtl_graph, ifca, cfl:   τ   (IFCA's k loss evaluations to pick a
+#                      cluster are forward passes only, not counted)
+#   pfedme:            R·K          (R = ``local_steps`` local rounds of K = ``inner_steps`` prox steps)
+#   mocha:             n/a          (no gradients: ``local_iters`` SDCA coordinate steps per round)
 _PER_STEP: dict[str, Any] = {
     "fedavg": 1,
     "reptile": 1,
@@ -76,6 +82,18 @@ _PER_STEP: dict[str, Any] = {
     "perfedavg": lambda hp: {"fo": 2, "hf": 4, "exact": 4}.get(hp.get("variant")),
     "fedmaml": lambda hp: 4 if hp.get("second_order") else 2,
     "perfedmaml": lambda hp: 4 if hp.get("second_order") else 2,
+    "fedper": 1,
+    "mtl_mean": 1,
+    "mtl_pairwise": 1,
+    "mtl_graph": 1,
+    "ifca": 1,
+    "cfl": 1,
+    "pfedme": lambda hp: hp.get("inner_steps"),
+}
+#: algorithms whose work is not (per-step count) × τ: the total per round
+_TOTAL: dict[str, Any] = {
+    "ditto": lambda hp: hp["local_steps"] + (hp.get("personal_steps") or hp["local_steps"]),
+    "fedrep": lambda hp: hp["local_steps"] + hp.get("head_steps", 0),
 }
 
 
@@ -99,10 +117,12 @@ def grad_evals_per_round(name: str, hparams: dict[str, Any]) -> int | None:
     product counts as 2. Returns ``None`` for an algorithm outside the table in this module
     (the table prints "n/a") or when ``local_steps`` is unknown.
     """
+    hp = {**_algorithm_defaults(name), **hparams}
+    if name in _TOTAL and isinstance(hp.get("local_steps"), int):
+        return int(_TOTAL[name](hp))
     rule = _PER_STEP.get(name)
     if rule is None:
         return None
-    hp = {**_algorithm_defaults(name), **hparams}
     tau = hp.get("local_steps")
     per_step = rule(hp) if callable(rule) else rule
     if per_step is None or not isinstance(tau, int):
