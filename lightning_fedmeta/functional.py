@@ -24,7 +24,6 @@ __all__ = [
     "Params",
     "Batch",
     "ClientContext",
-    "tree_add",
     "tree_sub",
     "tree_scale",
     "tree_axpy",
@@ -32,7 +31,7 @@ __all__ = [
     "tree_sq_norm",
     "tree_zeros_like",
     "tree_weighted_sum",
-    "tree_map",
+    "weighted_sum",
     "cross_entropy_per_sample",
 ]
 
@@ -55,26 +54,10 @@ class Batch(NamedTuple):
         """The batch at ``index`` along the leading (step, per-step) axes."""
         return Batch(self.x[index], self.y[index], self.mask[index])
 
-    def merged(self, *indices: int) -> Batch:
-        """Concatenate several batches of a step (e.g. ``D^tr`` and ``D^val``) into one."""
-        return Batch(
-            torch.cat([self.x[i] for i in indices]),
-            torch.cat([self.y[i] for i in indices]),
-            torch.cat([self.mask[i] for i in indices]),
-        )
-
 
 # ----------------------------------------------------------------------------------------------
 # parameter-tree arithmetic (dicts of tensors with identical keys)
 # ----------------------------------------------------------------------------------------------
-def tree_map(fn: Callable[..., Tensor], *trees: Params) -> Params:
-    return {k: fn(*(t[k] for t in trees)) for k in trees[0]}
-
-
-def tree_add(a: Params, b: Params) -> Params:
-    return {k: a[k] + b[k] for k in a}
-
-
 def tree_sub(a: Params, b: Params) -> Params:
     return {k: a[k] - b[k] for k in a}
 
@@ -102,9 +85,21 @@ def tree_zeros_like(a: Params) -> Params:
     return {k: torch.zeros_like(v) for k, v in a.items()}
 
 
+def weighted_sum(weights: Tensor, stacked: Tensor) -> Tensor:
+    """``Σ_i w_{…i} a_i``: contracts the last axis of ``weights [..., C]`` with the leading axis of
+    ``stacked [C, ...]`` (as ``torch.tensordot(weights, stacked, dims=1)``), in ``stacked``'s dtype.
+
+    An elementwise product and a sum, not a matrix product: autocast (``bf16-mixed``) leaves it in the
+    parameters' precision, so aggregates and selected rows stay float32 under mixed precision.
+    """
+    lead = weights.shape[:-1]
+    w = weights.to(stacked.dtype).reshape(*lead, weights.shape[-1], *([1] * (stacked.dim() - 1)))
+    return (w * stacked).sum(dim=len(lead))
+
+
 def tree_weighted_sum(stacked: Params, weights: Tensor) -> Params:
     """``Σ_i w_i a_i`` for a tree whose leaves are stacked along axis 0 (one row per client)."""
-    return {k: torch.tensordot(weights.to(v.dtype), v, dims=1) for k, v in stacked.items()}
+    return {k: weighted_sum(weights, v) for k, v in stacked.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,9 +159,9 @@ class ClientContext:
         """Exact Hessian-vector product ``∇²f(w; D) v`` by reverse-over-reverse: the vector-Jacobian
         product of the gradient, ``vᵀ ∇²f = (∇²f v)ᵀ`` since the Hessian is symmetric.
 
-        No Hessian is formed; the cost is a few gradient evaluations. Under ``vmap`` on CPU this is
-        1.8x faster than forward-over-reverse (jvp of grad; see :meth:`hvp_forward_over_reverse`)
-        and, unlike it, ``torch.compile`` can trace it.
+        No Hessian is formed; the cost is a few gradient evaluations. It is chosen over
+        forward-over-reverse (jvp of grad; see :meth:`hvp_forward_over_reverse`) because it is faster
+        under ``vmap`` and, unlike it, ``torch.compile`` can trace it (timings: benchmarks/results/speed.md).
         """
         _, pullback = vjp(lambda p: self.grad(p, batch), params)
         return pullback(v)[0]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from lightning_fedmeta.algorithms.base import Algorithm
+from lightning_fedmeta.algorithms.base import Algorithm, unused_args_message
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -135,8 +135,16 @@ def load_algorithm(name: str) -> type[Algorithm]:
 
 
 def create_algorithm(name: str, **hparams: Any) -> Algorithm:
-    """Instantiate the algorithm registered as ``name`` with ``hparams`` (validated by its constructor)."""
+    """Instantiate the algorithm registered as ``name`` with ``hparams`` (validated by its constructor).
+
+    Every algorithm takes the common arguments (``lightning_fedmeta.algorithms.base.COMMON_ARGS``),
+    even when its ``__init__`` does not name them, except those it lists in ``unused_args``: these
+    are refused with the algorithm's reason.
+    """
     cls = load_algorithm(name)
+    unused = [k for k in hparams if k in cls.unused_args]
+    if unused:
+        raise ValueError(unused_args_message(cls, unused))
     sig = inspect.signature(cls.__init__)
     accepts_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     allowed = [

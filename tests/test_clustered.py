@@ -16,9 +16,9 @@ from lightning_fedmeta.algorithms.cfl import CFL
 from lightning_fedmeta.algorithms.clustering import (
     adjusted_rand_index,
     complete_linkage_bipartition,
-    cosine_similarity_matrix,
     flatten_rows,
     kmeans_plus_plus,
+    pairwise_cosine_similarity,
     stack_perturbed,
 )
 from lightning_fedmeta.algorithms.ifca import IFCA
@@ -288,7 +288,7 @@ def test_complete_linkage_bipartition_separates_two_directions() -> None:
     u = torch.randn(10, generator=g)
     rows = torch.stack([u + 0.1 * torch.randn(10, generator=g) for _ in range(3)]
                        + [-u + 0.1 * torch.randn(10, generator=g) for _ in range(4)])
-    second = complete_linkage_bipartition(cosine_similarity_matrix(rows))
+    second = complete_linkage_bipartition(pairwise_cosine_similarity(rows))
     assert second.tolist() == [False] * 3 + [True] * 4
 
 

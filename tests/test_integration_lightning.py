@@ -26,7 +26,6 @@ from torch import nn
 from lightning_fedmeta import FederatedData, FederatedDataset, FederatedModule, from_client_tensors
 from lightning_fedmeta.callbacks import PlotCallback, RoundProgressBar
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.execution import choose_batching
 
 NUM_CLASSES = 4
 
@@ -153,16 +152,6 @@ def test_user_cnn_with_dropout_on_user_dataset_runs_looped_and_says_why(
     assert module.data is not None and module.data.client_names[0] == "site0"
     acc = float(module.last_summary["clients"]["acc_weighted"])
     assert 0.0 <= acc <= 1.0
-
-
-def test_batchnorm_with_running_stats_is_detected_with_one_info_line() -> None:
-    mode, reason = choose_batching(BatchNormCNN(), "auto")
-    assert mode == "loop"
-    assert reason == (
-        "the batched (vmap) client path cannot run BatchNorm with running statistics (bn); running clients looped"
-    )
-    with pytest.raises(ValueError, match="client_batching='vmap' is impossible for this model"):
-        choose_batching(BatchNormCNN(), "vmap")
 
 
 def test_batchnorm_with_running_stats_is_switched_to_batch_statistics_and_trains(

@@ -67,7 +67,7 @@ def _client_inputs(seen: float) -> tuple[ClientContext, dict[str, Tensor], Batch
     g = torch.Generator().manual_seed(3)
     batches = Batch(torch.randn(2, 1, 8, 5, generator=g), torch.randint(0, 3, (2, 1, 8), generator=g),
                     torch.ones(2, 1, 8))
-    state = {f"theta.{k}": v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}
+    state = {f"personal.{k}": v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}
     return ctx, w, batches, state, one_client(weight=0.25, seen=bool(seen))
 
 
@@ -86,17 +86,17 @@ def test_lambda_zero_is_exactly_the_per_client_maml_update() -> None:
     ctx, w, batches, state, rec = _client_inputs(seen=1.0)
     algo = PerFedMAML(alpha=0.1, beta=0.2, lam=0.0, local_steps=2, batch_size=4)
     out = algo.client_update(ctx, w, batches, state, {}, rec)
-    theta = {k: state[f"theta.{k}"] for k in w}
+    theta = {k: state[f"personal.{k}"] for k in w}
     for t in range(2):
         g = maml_meta_gradient(ctx, theta, *split_support_query(batches.at(t, 0)), 0.1, False)[0]
         theta = {k: theta[k] - 0.2 * g[k] for k in theta}
     for k in w:
-        assert torch.equal(out.state[f"theta.{k}"], theta[k])
+        assert torch.equal(out.state[f"personal.{k}"], theta[k])
     # λ = 0: the server mean does not enter the client's update
     moved = {k: v + 1.0 for k, v in w.items()}
     again = algo.client_update(ctx, moved, batches, state, {}, rec)
     for k in w:
-        assert torch.equal(again.state[f"theta.{k}"], theta[k])
+        assert torch.equal(again.state[f"personal.{k}"], theta[k])
 
 
 def test_coupling_pulls_theta_towards_the_server_mean() -> None:
@@ -104,10 +104,10 @@ def test_coupling_pulls_theta_towards_the_server_mean() -> None:
     out = PerFedMAML(alpha=0.1, beta=0.2, lam=0.7, local_steps=2, batch_size=4).client_update(
         ctx, w, batches, state, {}, rec
     )
-    expected = _maml_steps(ctx, {k: state[f"theta.{k}"] for k in w}, w, batches, 0.1, 0.2, 0.7)
+    expected = _maml_steps(ctx, {k: state[f"personal.{k}"] for k in w}, w, batches, 0.1, 0.2, 0.7)
     for k in w:
-        torch.testing.assert_close(out.state[f"theta.{k}"], expected[k], atol=1e-7, rtol=0)
-    assert set(out.state) == {f"theta.{k}" for k in w}  # seen and p come from the client's record
+        torch.testing.assert_close(out.state[f"personal.{k}"], expected[k], atol=1e-7, rtol=0)
+    assert set(out.state) == {f"personal.{k}" for k in w}  # seen and p come from the client's record
 
 
 def test_a_client_that_never_trained_starts_from_the_server_mean() -> None:
@@ -116,7 +116,7 @@ def test_a_client_that_never_trained_starts_from_the_server_mean() -> None:
     out = algo.client_update(ctx, w, batches, state, {}, rec)
     expected = _maml_steps(ctx, w, w, batches, 0.1, 0.2, 0.7)
     for k in w:
-        torch.testing.assert_close(out.state[f"theta.{k}"], expected[k], atol=1e-7, rtol=0)
+        torch.testing.assert_close(out.state[f"personal.{k}"], expected[k], atol=1e-7, rtol=0)
         torch.testing.assert_close(out.extras[f"sum.{k}"], 0.25 * expected[k], atol=1e-7, rtol=0)
         assert torch.equal(algo.personal_start(w, state, {}, rec)[k], w[k])
     assert float(out.extras["total"]) == 0.25
@@ -140,7 +140,7 @@ def test_global_model_is_the_sample_weighted_mean_of_the_trained_clients() -> No
     counts = module.data.train_counts.to(torch.float32) * seen
     weights = counts / counts.sum()
     for name, p in module.model.named_parameters():
-        mean = torch.tensordot(weights, store[f"theta.{name}"], dims=1)
+        mean = torch.tensordot(weights, store[f"personal.{name}"], dims=1)
         torch.testing.assert_close(p.detach(), mean, atol=1e-6, rtol=0)
 
 

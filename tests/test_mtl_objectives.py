@@ -64,7 +64,7 @@ def _setup(alg: RegularizedMTL):
     alg.bind_clients(records, data.label_counts)
     states = alg.init_client_states(init, records)
     stored = {k: v + torch.randn(K, *v.shape, dtype=v.dtype) for k, v in init.items()}
-    states.update({f"w.{k}": v.clone() for k, v in stored.items()})
+    states.update({f"personal.{k}": v.clone() for k, v in stored.items()})
     seen = records.seen.double()
     w_bar = {k: torch.tensordot(p * seen, v, dims=1) / (p * seen).sum() for k, v in stored.items()}
     server_state = alg.init_server_state(init)
@@ -120,7 +120,7 @@ def _check_steps(alg: RegularizedMTL, make_phi) -> None:
         out = alg.client_update(ctx, w_bar, _full_batch(data, k), state, server_state, _one(records, k))
         for n in effective:
             expected = effective[n][k] - LR / p[k] * grads[n][k]
-            torch.testing.assert_close(out.state[f"w.{n}"], expected, rtol=0, atol=1e-10, msg=f"client {k}, {n}")
+            torch.testing.assert_close(out.state[f"personal.{n}"], expected, rtol=0, atol=1e-10, msg=f"client {k}, {n}")
             torch.testing.assert_close(out.delta[n], expected - effective[n][k], rtol=0, atol=1e-10)
 
 
@@ -198,7 +198,7 @@ def test_aggregate_keeps_the_mean_over_training_clients_with_first_time_clients(
     after = {n: v.clone() for n, v in effective.items()}
     for i, k in enumerate(sampled):
         for n in after:
-            after[n][k] = stacked.state[f"w.{n}"][i]
+            after[n][k] = stacked.state[f"personal.{n}"][i]
     p = records.weight
     for n in new_bar:
         seen_mean = torch.tensordot(p * seen.double(), after[n], dims=1) / (p * seen.double()).sum()
@@ -219,7 +219,7 @@ def _fit(algorithm: dict, rounds: int, clients_per_round: int, eval_every: int =
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
-    return {k[2:]: v for k, v in module.client_states.tensors.items() if k.startswith("w.")}
+    return {k[len("personal."):]: v for k, v in module.client_states.tensors.items() if k.startswith("personal.")}
 
 
 MEAN = {"name": "mtl_mean", "lam": 0.5, "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
@@ -311,8 +311,8 @@ def test_first_round_of_a_client_starts_from_the_mean_not_its_stored_row(algorit
         b = module.algorithm.client_update(module.ctx, params, one, {k: v[i] for k, v in garbage.items()},
                                            module.server_state, record)
         for n in params:
-            assert torch.equal(a.state[f"w.{n}"], b.state[f"w.{n}"])
-            torch.testing.assert_close(a.delta[n], a.state[f"w.{n}"] - params[n], rtol=0, atol=1e-7)
+            assert torch.equal(a.state[f"personal.{n}"], b.state[f"personal.{n}"])
+            torch.testing.assert_close(a.delta[n], a.state[f"personal.{n}"] - params[n], rtol=0, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import ClientRecord, client_records
 from lightning_fedmeta.algorithms.mtl_graph import MTLGraph, adjacency_from_edges, knn_adjacency, laplacian
 from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
-from lightning_fedmeta.algorithms.regularized import cosine_similarity_matrix, similarity_centre
+from lightning_fedmeta.algorithms.regularized import clipped_cosine_similarity, similarity_centre
 from lightning_fedmeta.functional import Batch, ClientContext
 
 CHAIN = [[i, i + 1] for i in range(5)]
@@ -33,7 +33,7 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3)
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
-    return {k[2:]: v for k, v in module.client_states.tensors.items() if k.startswith("w.")}
+    return {k[len("personal."):]: v for k, v in module.client_states.tensors.items() if k.startswith("personal.")}
 
 
 def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
@@ -56,7 +56,7 @@ def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
     server_state.update({f"models.{k}": v for k, v in models.items()})
     server_state["seen"] = torch.ones(4)
     state = {k: v[client] for k, v in states.items()}
-    state.update({f"w.{k}": models[k][client] for k in params})
+    state.update({f"personal.{k}": models[k][client] for k in params})
     x, y = tiny_data().client_train(client)
     batches = Batch(x[None, None, :4], y[None, None, :4], torch.ones(1, 1, 4))
     record = ClientRecord(*(t[client] for t in records))
@@ -74,7 +74,7 @@ def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
     w0 = {k: models[k][client] for k in params}
     g = grad(objective)(w0)
     for k in params:
-        torch.testing.assert_close(out.state[f"w.{k}"], w0[k] - lr * g[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(out.state[f"personal.{k}"], w0[k] - lr * g[k], rtol=0, atol=1e-6)
         torch.testing.assert_close(out.delta[k], -lr * g[k], rtol=0, atol=1e-6)
 
 
@@ -97,7 +97,7 @@ def test_similarity_centre_is_degree_normalised_weighted_mean() -> None:
 
 def test_inferred_similarity_is_clipped_cosine_of_latest_updates() -> None:
     u = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
-    s = cosine_similarity_matrix(u)
+    s = clipped_cosine_similarity(u)
     r = 2**-0.5
     expected = torch.tensor(
         [[0, 0, 0, r, 0], [0, 0, 0, r, 0], [0, 0, 0, 0, 0], [r, r, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.float32
@@ -112,7 +112,7 @@ def test_inferred_similarity_is_clipped_cosine_of_latest_updates() -> None:
     updates = module.server_state["updates"]
     trained = updates.abs().sum(1) > 0
     assert 0 < int(trained.sum()) < 6
-    torch.testing.assert_close(module.server_state["similarity"], cosine_similarity_matrix(updates))
+    torch.testing.assert_close(module.server_state["similarity"], clipped_cosine_similarity(updates))
     # the server's copy of the personal models is the client store
     for k in init:
         assert torch.equal(module.server_state[f"models.{k}"], personal[k])

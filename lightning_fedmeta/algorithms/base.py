@@ -24,9 +24,12 @@ contract 9). The loop never lets an algorithm see the Trainer, the device or the
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,6 +37,8 @@ from torch import Tensor
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
 
 __all__ = [
+    "COMMON_ARGS",
+    "PERSONAL",
     "Algorithm",
     "BatchPlan",
     "ClientOutput",
@@ -42,6 +47,8 @@ __all__ = [
     "check_positive",
     "check_non_negative",
     "check_range",
+    "pack_personal",
+    "personal_model",
     "started_from",
     "weighted_mean_metrics",
 ]
@@ -149,6 +156,19 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
 
 
+#: The arguments every algorithm accepts (docs/cli.md), through :class:`Algorithm`'s constructor. A
+#: subclass whose ``__init__`` does not name one still accepts it (see :class:`Algorithm`), unless it
+#: lists it in :attr:`Algorithm.unused_args` with the reason it does not use it.
+COMMON_ARGS: tuple[str, ...] = (
+    "local_steps",
+    "local_lr",
+    "batch_size",
+    "finetune_steps",
+    "finetune_lr",
+    "finetune_batch_size",
+)
+
+
 class Algorithm(ABC):
     """Base class of every federated algorithm (built-in or plugin).
 
@@ -160,6 +180,15 @@ class Algorithm(ABC):
             (0 = evaluate the starting model). Gives e.g. the FedAvg + fine-tune baseline.
         finetune_lr: rate of those steps (defaults to ``local_lr``).
         finetune_batch_size: batch size of those steps (``None`` = full batch).
+
+    These are the common arguments (:data:`COMMON_ARGS`). A subclass's ``__init__`` only needs to
+    declare its own arguments: a common argument it does not name is accepted anyway and handed to
+    this constructor (the caller's value replaces whatever the subclass passes to
+    ``super().__init__``), and the subclass's signature (``inspect.signature``, the CLI,
+    ``create_algorithm``) shows it as a keyword-only argument. Name it in ``__init__`` to give it
+    another default. A common argument the algorithm cannot honour is listed in
+    :attr:`unused_args` with the reason: it is then refused with that reason, and left out of the
+    signature, :meth:`hparams` and ``repr``.
     """
 
     #: registry name (the entry-point name)
@@ -168,6 +197,13 @@ class Algorithm(ABC):
     summary: ClassVar[str] = ""
     #: whether ``client_update`` may run under ``torch.func.vmap``
     batchable: ClassVar[bool] = True
+    #: common arguments (:data:`COMMON_ARGS`) this algorithm does not use, each mapped to the reason
+    #: (e.g. ``{"local_lr": "the inner learning rate is alpha"}``)
+    unused_args: ClassVar[Mapping[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _accept_common_args(cls)
 
     def __init__(
         self,
@@ -178,6 +214,13 @@ class Algorithm(ABC):
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = 32,
     ) -> None:
+        given = self.__dict__.pop("_given_common_args", {})  # set by a subclass's wrapped __init__
+        local_steps = given.get("local_steps", local_steps)
+        local_lr = given.get("local_lr", local_lr)
+        batch_size = given.get("batch_size", batch_size)
+        finetune_steps = given.get("finetune_steps", finetune_steps)
+        finetune_lr = given.get("finetune_lr", finetune_lr)
+        finetune_batch_size = given.get("finetune_batch_size", finetune_batch_size)
         if not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
         check_non_negative("local_lr", local_lr)
@@ -298,13 +341,69 @@ class Algorithm(ABC):
 
     # ------------------------------------------------------------------------------------------
     def hparams(self) -> dict[str, object]:
-        """Hyper-parameters for logging (public attributes that are plain values)."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, int | float | str)}
+        """Hyper-parameters for logging: public attributes that are plain values (numbers, strings,
+        ``None``), less the common arguments the algorithm does not use (:attr:`unused_args`)."""
+        unused = type(self).unused_args
+        return {
+            k: v for k, v in vars(self).items()
+            if not k.startswith("_") and k not in unused and (v is None or isinstance(v, int | float | str))
+        }
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
         return f"{type(self).__name__}({args})"
 
+
+def unused_args_message(cls: type[Algorithm], names: list[str]) -> str:
+    """The refusal of common arguments ``cls`` does not use, each with its reason."""
+    label = cls.name or cls.__name__
+    reasons = "; ".join(f"{n!r}: {cls.unused_args[n]}" for n in names)
+    return f"algorithm {label!r} does not use {', '.join(map(repr, names))} ({reasons})"
+
+
+def _accept_common_args(cls: type[Algorithm]) -> None:
+    """Let ``cls(...)`` take every common argument its ``__init__`` does not name and hand it to
+    :meth:`Algorithm.__init__`; refuse the ones in ``cls.unused_args`` with their reason.
+
+    ``cls.__init__`` (its own or the inherited one) is wrapped. The wrapper's ``__signature__`` is
+    the wrapped one without the unused arguments and with the other missing common arguments as
+    keyword-only parameters (before ``**kwargs``), so introspection (``create_algorithm``, the CLI)
+    sees what the class accepts. A wrapped ``__init__`` with ``**kwargs`` is trusted to forward them.
+    """
+    unused = dict(cls.unused_args)
+    stray = sorted(set(unused) - set(COMMON_ARGS))
+    if stray:
+        raise TypeError(f"{cls.__name__}.unused_args names {stray}, which are not common arguments {COMMON_ARGS}")
+    own = "__init__" in cls.__dict__
+    init = cls.__dict__["__init__"] if own else cls.__init__
+    sig = inspect.signature(init)
+    params = list(sig.parameters.values())
+    if own:
+        named_unused = [p.name for p in params if p.name in unused]
+        if named_unused:
+            raise TypeError(f"{cls.__name__}.__init__ takes {named_unused}, which its unused_args says it does not use")
+    named = {p.name for p in params}
+    forwards = any(p.kind is p.VAR_KEYWORD for p in params)
+    missing = [n for n in COMMON_ARGS if n not in named and n not in unused]
+    base = inspect.signature(Algorithm.__init__).parameters
+    kept = [p for p in params if p.name not in unused and p.kind is not p.VAR_KEYWORD]
+    added = [base[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in missing]
+    var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
+
+    @functools.wraps(init)
+    def __init__(self: Algorithm, *args: Any, **kwargs: Any) -> None:
+        refused = [k for k in kwargs if k in unused]
+        if refused:
+            raise ValueError(unused_args_message(cls, refused))
+        if not forwards:
+            given = self.__dict__.setdefault("_given_common_args", {})
+            for n in missing:
+                if n in kwargs:
+                    given.setdefault(n, kwargs.pop(n))  # the outermost (the caller's) value wins
+        init(self, *args, **kwargs)
+
+    __init__.__signature__ = sig.replace(parameters=kept + added + var_kw)  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
 
 
 def weighted_mean_metrics(metrics: dict[str, Tensor], weights: Tensor) -> dict[str, Tensor]:
@@ -321,3 +420,18 @@ def started_from(
     start them, and to evaluate them, from the current global (cluster, mean) model instead.
     """
     return {k: torch.where(client.seen, v, fallback[k]) for k, v in personal.items()}
+
+
+#: client-state prefix of a personal model (one full model per client: Ditto's v_k, the regularised
+#: MTL family's w_k, Per-FedMAML's θ_i): the entry ``personal.<parameter name>`` holds that parameter
+PERSONAL = "personal."
+
+
+def personal_model(state: dict[str, Tensor], params: Params) -> Params:
+    """The personal model stored in a client's state, ``{name: state["personal." + name]}`` (names from ``params``)."""
+    return {k: state[PERSONAL + k] for k in params}
+
+
+def pack_personal(w: Params) -> dict[str, Tensor]:
+    """A personal model as client-state entries ``{"personal." + name: w[name]}``."""
+    return {PERSONAL + k: v for k, v in w.items()}

@@ -35,23 +35,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.algorithms.clustering import (
+    CLUSTER,
+    ClusteredAlgorithm,
     cluster_means,
     complete_linkage_bipartition,
-    cosine_similarity_matrix,
     flatten_rows,
+    lowest_loss,
     one_hot,
-    select_row,
+    pairwise_cosine_similarity,
 )
-from lightning_fedmeta.algorithms.fedavg import local_sgd
-from lightning_fedmeta.algorithms.ifca import cluster_losses
+from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
 __all__ = ["CFL"]
 
 
-class CFL(Algorithm):
+class CFL(ClusteredAlgorithm):
     """Clustered FL: recursive bi-partitioning of clients whose updates disagree at a stationary point.
 
     Args:
@@ -65,7 +66,6 @@ class CFL(Algorithm):
 
     name = "cfl"
     summary = "CFL: split clusters by cosine similarity of updates at stationarity (Sattler et al., 2020)"
-    server_optimizer_applies = False
 
     def __init__(
         self,
@@ -100,9 +100,6 @@ class CFL(Algorithm):
         """Record ``K``: the server keeps every client's cluster membership and latest update."""
         self._num_clients = int(clients.index.numel())
 
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        return {"cluster": torch.tensor(-1, dtype=torch.long)}
-
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         k = getattr(self, "_num_clients", None)
         if k is None:
@@ -114,18 +111,13 @@ class CFL(Algorithm):
         for name, p in params.items():
             slots = torch.zeros((self.max_clusters, *p.shape), dtype=p.dtype, device=p.device)
             slots[0] = p.detach()
-            state[f"cluster.{name}"] = slots
+            state[CLUSTER + name] = slots
         state["num_clusters"] = torch.tensor(1, dtype=torch.long)
         state["membership"] = torch.zeros(k, dtype=torch.long)
         state["last_update"] = torch.zeros((k, size), dtype=dtype)
         state["fresh"] = torch.zeros(k, dtype=torch.bool)
         state["round"] = torch.tensor(0, dtype=torch.long)
         return state
-
-    @staticmethod
-    def clusters(server_state: dict[str, Tensor]) -> Params:
-        """The cluster-model slots ``{name: [max_clusters, ...]}`` (the first ``num_clusters`` are in use)."""
-        return {k[len("cluster."):]: v for k, v in server_state.items() if k.startswith("cluster.")}
 
     def _cluster_of(self, client: ClientRecord, server_state: dict[str, Tensor]) -> Tensor:
         membership = server_state["membership"]
@@ -144,7 +136,7 @@ class CFL(Algorithm):
     ) -> ClientOutput:
         c = self._cluster_of(client, server_state)
         pick = one_hot(c, self.max_clusters, next(iter(params.values())).dtype)
-        start = select_row(self.clusters(server_state), pick)
+        start = tree_weighted_sum(self.clusters(server_state), pick)
         w, loss = local_sgd(ctx, start, batches, self.local_lr)
         update = tree_sub(w, start)
         return ClientOutput(
@@ -165,7 +157,7 @@ class CFL(Algorithm):
         assign = outputs.extras["assign"]
         updates = {n: outputs.extras[f"update.{n}"] for n in params}
         clusters = self.clusters(server_state)
-        starts = {n: torch.tensordot(assign.to(v.dtype), v, dims=1) for n, v in clusters.items()}
+        starts = tree_weighted_sum(clusters, assign)
         models = {n: starts[n] + updates[n] for n in params}
         new_clusters, mass = cluster_means(clusters, models, assign, weights)
 
@@ -190,7 +182,7 @@ class CFL(Algorithm):
             pool = ((membership == c) & fresh).nonzero().flatten()
             if pool.numel() < self.min_split_size:
                 continue
-            second = complete_linkage_bipartition(cosine_similarity_matrix(last_update[pool].double()))
+            second = complete_linkage_bipartition(pairwise_cosine_similarity(last_update[pool].double()))
             new_id = num_clusters
             membership[pool[second.to(pool.device)]] = new_id
             for n in new_clusters:
@@ -202,7 +194,7 @@ class CFL(Algorithm):
             if num_clusters >= self.max_clusters:
                 break
 
-        new_state = {f"cluster.{n}": v for n, v in new_clusters.items()}
+        new_state = {CLUSTER + n: v for n, v in new_clusters.items()}
         new_state.update(
             num_clusters=torch.tensor(num_clusters, dtype=torch.long),
             membership=membership,
@@ -213,22 +205,7 @@ class CFL(Algorithm):
         return tree_weighted_sum(outputs.delta, weights), new_state
 
     # -- evaluation ----------------------------------------------------------------------------
-    def eval_plan(self) -> BatchPlan:
-        return BatchPlan(steps=max(1, self.finetune_steps), per_step=1, batch_size=self.finetune_batch_size)
-
-    def personalize(
-        self,
-        ctx: ClientContext,
-        params: Params,
-        batches: Batch,
-        state: dict[str, Tensor],
-        server_state: dict[str, Tensor],
-        client: ClientRecord,
-    ) -> Params:
-        clusters = self.clusters(server_state)
-        losses = cluster_losses(ctx, clusters, batches)
+    def eval_cluster(self, losses: Tensor, server_state: dict[str, Tensor], client: ClientRecord) -> Tensor:
+        """A training client's own cluster; a new client's the active cluster with the lowest loss."""
         active = torch.arange(self.max_clusters, device=losses.device) < server_state["num_clusters"]
-        best = torch.where(active, losses, torch.full_like(losses, float("inf"))).argmin()
-        c = torch.where(client.is_new, best, self._cluster_of(client, server_state))
-        w = select_row(clusters, one_hot(c, self.max_clusters, losses.dtype))
-        return self.finetune(ctx, w, batches, self.finetune_steps)
+        return torch.where(client.is_new, lowest_loss(losses, active), self._cluster_of(client, server_state))

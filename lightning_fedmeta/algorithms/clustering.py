@@ -1,7 +1,11 @@
 """Helpers shared by the clustered and multi-task algorithms (IFCA, CFL, MOCHA).
 
-* vmap-safe selection of one row of a stacked ``[k, ...]`` parameter tree by a one-hot vector
-  (``Σ_j e_j θ_j``), so a client can start from "its" cluster model under ``torch.func.vmap``;
+* :class:`ClusteredAlgorithm`, the base of IFCA and CFL: cluster models stacked in the server state,
+  each client's loss under every cluster model (:func:`cluster_losses`), and the evaluation by a
+  chosen cluster's model, fine-tuned;
+* vmap-safe one-hot vectors (:func:`one_hot`): ``tree_weighted_sum(clusters, one_hot(j, k))`` selects
+  cluster j's model ``Σ_j e_j θ_j``, so a client can start from "its" cluster model under
+  ``torch.func.vmap``;
 * per-cluster weighted means of the clients' models (a cluster nobody picked keeps its model);
 * deterministic initial cluster models: perturbations of the global model from a fixed seed, or
   :func:`kmeans_plus_plus`, weighted k-means++ seeding (Arthur & Vassilvitskii, SODA 2007) refined by
@@ -13,26 +17,34 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from math import comb
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientRecord
+from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum, weighted_sum
 
 __all__ = [
+    "CLUSTER",
+    "ClusteredAlgorithm",
+    "cluster_losses",
+    "lowest_loss",
     "one_hot",
-    "select_row",
     "stack_perturbed",
     "gram_matrix",
     "kmeans_plus_plus",
     "cluster_means",
     "flatten_rows",
-    "cosine_similarity_matrix",
+    "pairwise_cosine_similarity",
     "complete_linkage_bipartition",
     "adjusted_rand_index",
 ]
+
+#: server-state prefix of the stacked cluster models: ``cluster.<parameter name>`` is ``[slots, ...]``
+CLUSTER = "cluster."
 
 
 def one_hot(index: Tensor, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -40,9 +52,69 @@ def one_hot(index: Tensor, k: int, dtype: torch.dtype = torch.float32) -> Tensor
     return (torch.arange(k, device=index.device) == index).to(dtype)
 
 
-def select_row(stacked: Params, weights: Tensor) -> Params:
-    """``Σ_j weights_j θ_j`` for a tree whose leaves are stacked ``[k, ...]`` (one-hot ``weights`` pick a row)."""
-    return {name: torch.tensordot(weights.to(v.dtype), v, dims=1) for name, v in stacked.items()}
+def cluster_losses(ctx: ClientContext, clusters: Params, batches: Batch) -> Tensor:
+    """``[k]``: loss of each stacked cluster model ``clusters [k, ...]`` on all samples of ``batches [T, P, B, ...]``.
+
+    The ``T·P`` batches are merged into one (a masked mean over every drawn sample), so choosing
+    among k clusters costs k forward passes.
+    """
+    k = next(iter(clusters.values())).shape[0]
+    lead = batches.x.shape[0] * batches.x.shape[1] * batches.x.shape[2]
+    merged = Batch(
+        batches.x.reshape(lead, *batches.x.shape[3:]), batches.y.reshape(lead), batches.mask.reshape(lead)
+    )
+    return torch.stack([ctx.loss({name: v[j] for name, v in clusters.items()}, merged) for j in range(k)])
+
+
+def lowest_loss(losses: Tensor, eligible: Tensor) -> Tensor:
+    """The index (0-d) of the smallest of ``losses [k]`` among the ``eligible [k]`` entries (vmap-safe)."""
+    return torch.where(eligible, losses, torch.full_like(losses, float("inf"))).argmin()
+
+
+class ClusteredAlgorithm(Algorithm):
+    """Base of IFCA and CFL: cluster models stacked in the server state (``cluster.<name> [slots, ...]``),
+    updated by the algorithm itself (``server_optimizer_applies = False``).
+
+    Evaluation (:meth:`personalize`) draws :meth:`eval_plan`'s batches from a client's training data,
+    computes every cluster model's loss on them, lets :meth:`eval_cluster` choose a cluster (by those
+    losses, or by membership) and fine-tunes its model on the same batches.
+    """
+
+    server_optimizer_applies = False
+
+    @staticmethod
+    def clusters(server_state: dict[str, Tensor]) -> Params:
+        """The stacked cluster models ``{name: [slots, ...]}`` of the server state."""
+        return {k[len(CLUSTER):]: v for k, v in server_state.items() if k.startswith(CLUSTER)}
+
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        """``cluster``: the cluster the client trained in its latest round (−1 before its first round)."""
+        return {"cluster": torch.tensor(-1, dtype=torch.long)}
+
+    def eval_plan(self) -> BatchPlan:
+        """At least one batch: the cluster is chosen by the loss on these batches, then fine-tuned on them."""
+        return BatchPlan(steps=max(1, self.finetune_steps), per_step=1, batch_size=self.finetune_batch_size)
+
+    @abstractmethod
+    def eval_cluster(self, losses: Tensor, server_state: dict[str, Tensor], client: ClientRecord) -> Tensor:
+        """The cluster (0-d index into the slots) a client is evaluated with, given ``losses [slots]``, the
+        loss of every cluster model on the client's evaluation batches (vmap-safe)."""
+
+    def personalize(
+        self,
+        ctx: ClientContext,
+        params: Params,
+        batches: Batch,
+        state: dict[str, Tensor],
+        server_state: dict[str, Tensor],
+        client: ClientRecord,
+    ) -> Params:
+        """The model of the cluster :meth:`eval_cluster` chooses, after ``finetune_steps`` SGD steps on ``batches``."""
+        clusters = self.clusters(server_state)
+        losses = cluster_losses(ctx, clusters, batches)
+        first = next(iter(clusters.values()))
+        pick = one_hot(self.eval_cluster(losses, server_state, client), first.shape[0], first.dtype)
+        return self.finetune(ctx, tree_weighted_sum(clusters, pick), batches, self.finetune_steps)
 
 
 def stack_perturbed(params: Params, k: int, noise: float, seed: int) -> Params:
@@ -164,7 +236,7 @@ def cluster_means(current: Params, models: Params, assign: Tensor, weights: Tens
     picked = mass > 0
     out = {}
     for name, old in current.items():
-        summed = torch.tensordot(w.t().to(old.dtype), models[name], dims=1)  # [k, ...]
+        summed = weighted_sum(w.t(), models[name])  # [k, ...]
         shape = (-1,) + (1,) * (old.dim() - 1)
         mean = summed / mass.clamp_min(torch.finfo(mass.dtype).tiny).to(old.dtype).view(shape)
         out[name] = torch.where(picked.view(shape), mean, old)
@@ -176,8 +248,9 @@ def flatten_rows(tree: Params) -> Tensor:
     return torch.cat([v.reshape(v.shape[0], -1) for v in tree.values()], dim=1)
 
 
-def cosine_similarity_matrix(rows: Tensor, eps: float = 1e-12) -> Tensor:
-    """``α_ij = ⟨Δ_i, Δ_j⟩ / (‖Δ_i‖ ‖Δ_j‖ + eps)`` for the rows of ``rows [n, P]``."""
+def pairwise_cosine_similarity(rows: Tensor, eps: float = 1e-12) -> Tensor:
+    """``α_ij = ⟨Δ_i, Δ_j⟩ / (‖Δ_i‖ ‖Δ_j‖ + eps)`` for all pairs of rows of ``rows [n, P]``, the diagonal
+    included and signs kept (CFL's split criterion; compare ``regularized.clipped_cosine_similarity``)."""
     norms = rows.norm(dim=1)
     return (rows @ rows.t()) / (norms.unsqueeze(1) * norms.unsqueeze(0) + eps)
 

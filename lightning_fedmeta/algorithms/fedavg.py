@@ -9,23 +9,13 @@ steps from w on its own training data: the FedAvg + fine-tune (FedAvg+FT) baseli
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
-__all__ = ["FedAvg", "local_sgd"]
-
-
-def local_sgd(ctx: ClientContext, params: Params, batches: Batch, lr: float) -> tuple[Params, Tensor]:
-    """τ plain SGD steps over ``batches [τ, 1, B, ...]``; returns the final model and the mean loss."""
-    w = params
-    losses = []
-    for t in range(batches.x.shape[0]):
-        w, loss = ctx.sgd_step(w, batches.at(t, 0), lr)
-        losses.append(loss)
-    return w, torch.stack(losses).mean()
+__all__ = ["FedAvg"]
 
 
 class FedAvg(Algorithm):

@@ -80,10 +80,16 @@ class FedMAML(Algorithm):
         finetune_steps: SGD steps from θ before a client is evaluated (default 1).
         finetune_lr: rate of those steps (default α).
         finetune_batch_size: batch size of those steps (``None`` = the client's whole training set).
+
+    The common argument ``local_lr`` is refused (``unused_args``): θ does not move locally.
     """
 
     name = "fedmaml"
     summary = "FedMAML: clients upload MAML meta-gradients, server lr = meta lr β (Chen et al., 2018)"
+    unused_args = {
+        "local_lr": "FedMAML takes no local SGD steps: alpha is the inner adaptation rate and the meta step "
+        "is the module's server_lr",
+    }
 
     def __init__(
         self,

@@ -8,10 +8,10 @@ and uploads Δ_i = v^τ − w; the server averages as FedAvg.  μ = 0 is FedAvg 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["FedProx"]
@@ -51,10 +51,5 @@ class FedProx(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        v = params
-        losses = []
-        for t in range(batches.x.shape[0]):
-            loss, g = ctx.loss_and_grad(v, batches.at(t, 0))
-            v = {k: v[k] - self.local_lr * (g[k] + self.mu * (v[k] - params[k])) for k in v}
-            losses.append(loss)
-        return ClientOutput(tree_sub(v, params), state, {}, {"loss": torch.stack(losses).mean()})
+        v, loss = prox_sgd(ctx, params, batches, self.local_lr, self.mu, params)
+        return ClientOutput(tree_sub(v, params), state, {}, {"loss": loss})

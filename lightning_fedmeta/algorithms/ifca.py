@@ -47,38 +47,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.algorithms.clustering import (
+    CLUSTER,
+    ClusteredAlgorithm,
+    cluster_losses,
     cluster_means,
     flatten_rows,
     kmeans_plus_plus,
+    lowest_loss,
     one_hot,
-    select_row,
     stack_perturbed,
 )
-from lightning_fedmeta.algorithms.fedavg import local_sgd
+from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
-__all__ = ["IFCA", "cluster_losses"]
+__all__ = ["IFCA"]
 
 INITS = ("kmeans++", "perturb")
 
 
-def cluster_losses(ctx: ClientContext, clusters: Params, batches: Batch) -> Tensor:
-    """``[k]``: loss of each stacked cluster model ``clusters [k, ...]`` on all samples of ``batches [T, P, B, ...]``.
-
-    The ``T·P`` batches are merged into one (a masked mean over every drawn sample), so choosing
-    among k clusters costs k forward passes.
-    """
-    k = next(iter(clusters.values())).shape[0]
-    lead = batches.x.shape[0] * batches.x.shape[1] * batches.x.shape[2]
-    merged = Batch(
-        batches.x.reshape(lead, *batches.x.shape[3:]), batches.y.reshape(lead), batches.mask.reshape(lead)
-    )
-    return torch.stack([ctx.loss({name: v[j] for name, v in clusters.items()}, merged) for j in range(k)])
-
-
-class IFCA(Algorithm):
+class IFCA(ClusteredAlgorithm):
     """Iterative Federated Clustering Algorithm: k cluster models, each client trains the best-fitting one.
 
     Args:
@@ -100,7 +89,6 @@ class IFCA(Algorithm):
 
     name = "ifca"
     summary = "IFCA: k cluster models, each client trains the one with the lowest loss (Ghosh et al., 2020)"
-    server_optimizer_applies = False
 
     def __init__(
         self,
@@ -141,18 +129,10 @@ class IFCA(Algorithm):
         stacked = stack_perturbed(params, self.num_clusters, noise, self.init_seed)
         device = next(iter(params.values())).device
         return {
-            **{f"cluster.{name}": v for name, v in stacked.items()},
+            **{CLUSTER + name: v for name, v in stacked.items()},
             "round": torch.tensor(0, dtype=torch.long, device=device),
             "last_picked": torch.full((self.num_clusters,), -1, dtype=torch.long, device=device),
         }
-
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        return {"cluster": torch.tensor(-1, dtype=torch.long)}
-
-    @staticmethod
-    def clusters(server_state: dict[str, Tensor]) -> Params:
-        """The stacked cluster models ``{name: [k, ...]}``."""
-        return {k[len("cluster."):]: v for k, v in server_state.items() if k.startswith("cluster.")}
 
     # -- client and server ---------------------------------------------------------------------
     def client_update(
@@ -168,7 +148,7 @@ class IFCA(Algorithm):
         losses = cluster_losses(ctx, clusters, batches)
         choice = losses.argmin()
         pick = one_hot(choice, self.num_clusters, losses.dtype)
-        start = select_row(clusters, pick)
+        start = tree_weighted_sum(clusters, pick)
         if self.init == "kmeans++":
             # round 0: every client trains the global model; the server clusters the updates
             warm = server_state["round"] > 0
@@ -207,7 +187,7 @@ class IFCA(Algorithm):
                                             round_idx)
         delta = tree_weighted_sum(outputs.delta, weights)  # global model = Σ_i p_i w_i
         return delta, {
-            **{f"cluster.{name}": v for name, v in new.items()},
+            **{CLUSTER + name: v for name, v in new.items()},
             "round": torch.full_like(server_state["round"], round_idx + 1),
             "last_picked": last_picked,
         }
@@ -233,25 +213,8 @@ class IFCA(Algorithm):
         return out, last_picked
 
     # -- evaluation ----------------------------------------------------------------------------
-    def eval_plan(self) -> BatchPlan:
-        """At least one batch: the cluster is chosen by the loss on these batches, then fine-tuned on them."""
-        return BatchPlan(steps=max(1, self.finetune_steps), per_step=1, batch_size=self.finetune_batch_size)
-
-    def personalize(
-        self,
-        ctx: ClientContext,
-        params: Params,
-        batches: Batch,
-        state: dict[str, Tensor],
-        server_state: dict[str, Tensor],
-        client: ClientRecord,
-    ) -> Params:
+    def eval_cluster(self, losses: Tensor, server_state: dict[str, Tensor], client: ClientRecord) -> Tensor:
         """The trained cluster model with the lowest loss on the client's batches (for a new client as
-        for a training one), fine-tuned; every cluster is eligible before any has been trained."""
-        clusters = self.clusters(server_state)
-        losses = cluster_losses(ctx, clusters, batches)
+        for a training one); every cluster is eligible before any has been trained."""
         trained = server_state["last_picked"] >= 0
-        usable = trained | ~trained.any()
-        best = torch.where(usable, losses, torch.full_like(losses, float("inf"))).argmin()
-        w = select_row(clusters, one_hot(best, self.num_clusters, losses.dtype))
-        return self.finetune(ctx, w, batches, self.finetune_steps)
+        return lowest_loss(losses, trained | ~trained.any())

@@ -66,7 +66,7 @@ from lightning_fedmeta.algorithms.base import (
     check_range,
 )
 from lightning_fedmeta.algorithms.clustering import one_hot
-from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_sum
 
 __all__ = ["Mocha", "covariance_update", "dual_scaling"]
 
@@ -121,11 +121,23 @@ class Mocha(Algorithm):
         sigma_prime: σ' of the local subproblems (None = max_t Σ_s |M_ts| / M_tt, always safe).
         fit_bias: learn the model's bias as the weight of a constant feature (if the model has one).
         seed: seed of the SDCA coordinate orders and budgets.
+
+    All six common arguments (``local_steps``, ``local_lr``, ``batch_size``, ``finetune_*``) are
+    refused, each with its reason (``unused_args``): MOCHA takes no SGD steps.
     """
 
     name = "mocha"
     summary = "MOCHA: federated multi-task linear models by dual coordinate ascent (Smith et al., 2017)"
     server_optimizer_applies = False
+    unused_args = {
+        "local_steps": "MOCHA's local work is local_iters SDCA coordinate steps on the client's dual",
+        "local_lr": "MOCHA's dual coordinate ascent takes exact coordinate steps, with no learning rate",
+        "batch_size": "every MOCHA client solves its dual over its whole training set each round",
+        "finetune_steps": "MOCHA evaluates a client with its own task model w_t (the mean of the training "
+        "clients' models for a new client) and takes no SGD steps",
+        "finetune_lr": "MOCHA takes no fine-tuning steps (see finetune_steps)",
+        "finetune_batch_size": "MOCHA takes no fine-tuning steps (see finetune_steps)",
+    }
 
     def __init__(
         self,
@@ -251,7 +263,7 @@ class Mocha(Algorithm):
         out["Sigma"] = sigma.to(torch.float64)
         out["M"] = m.to(v.dtype)
         out["sigma_prime"] = sp.to(v.dtype)
-        out["W"] = 0.5 * torch.einsum("ts,s...->t...", m.to(v.dtype), v)
+        out["W"] = 0.5 * weighted_sum(m, v)  # W_t = ½ Σ_s M_ts V_s
         return out
 
     def set_task_covariance(self, server_state: dict[str, Tensor], sigma: Tensor) -> dict[str, Tensor]:
@@ -292,7 +304,7 @@ class Mocha(Algorithm):
         cid = client.index
         k = server_state["M"].shape[0]
         mine = one_hot(cid, k, x.dtype)
-        w = torch.tensordot(mine, server_state["W"], dims=1)  # [C, D]
+        w = weighted_sum(mine, server_state["W"])  # [C, D]
         m_tt = (server_state["M"].diagonal() * mine).sum()
         scale = 0.5 * server_state["sigma_prime"] * m_tt
 
@@ -360,7 +372,7 @@ class Mocha(Algorithm):
         state["round"] = torch.tensor(rounds_done, dtype=torch.long)
         sigma = server_state["Sigma"]
         if self.omega_every > 0 and rounds_done % self.omega_every == 0:
-            w_now = 0.5 * torch.einsum("ts,s...->t...", server_state["M"], state["V"])
+            w_now = 0.5 * weighted_sum(server_state["M"], state["V"])
             sigma = self._task_covariance(w_now.reshape(w_now.shape[0], -1), server_state["training"])
         state = self._with_sigma(state, sigma)
         mean_model = self._to_params(self._mean_task_model(state), params)
@@ -380,7 +392,7 @@ class Mocha(Algorithm):
     @staticmethod
     def _mean_task_model(server_state: dict[str, Tensor]) -> Tensor:
         """``Σ_t p_t w_t`` over the training clients: the model of a new client and the module's global model."""
-        return torch.tensordot(server_state["p"].to(server_state["W"].dtype), server_state["W"], dims=1)
+        return weighted_sum(server_state["p"], server_state["W"])
 
     def personalize(
         self,
@@ -394,6 +406,6 @@ class Mocha(Algorithm):
         """Client t's own w_t; a new (held-out) client the weighted mean of the training clients' task
         models ``Σ_s p_s w_s`` (MOCHA learns no model for a task without data)."""
         k = server_state["W"].shape[0]
-        mine = torch.tensordot(one_hot(client.index, k, server_state["W"].dtype), server_state["W"], dims=1)
+        mine = weighted_sum(one_hot(client.index, k, server_state["W"].dtype), server_state["W"])
         w = torch.where(client.is_new, self._mean_task_model(server_state), mine)
         return self._to_params(w, params)

@@ -63,10 +63,13 @@ class PerFedAvg(Algorithm):
         finetune_steps: SGD steps from w before a client is evaluated (default 1, as the paper).
         finetune_lr: rate of those steps (default α).
         finetune_batch_size: batch size of those steps (``None`` = the client's whole training set).
+
+    The common argument ``local_lr`` is refused (``unused_args``): the local step size is ``beta``.
     """
 
     name = "perfedavg"
     summary = "Per-FedAvg: FedAvg on the one-step-adapted loss, fo/hf/exact (Fallah et al., 2020)"
+    unused_args = {"local_lr": "Per-FedAvg's local (meta) step size is beta; alpha is the adaptation rate"}
 
     def __init__(
         self,

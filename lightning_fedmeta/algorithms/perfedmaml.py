@@ -34,6 +34,8 @@ from lightning_fedmeta.algorithms.base import (
     ClientOutput,
     ClientRecord,
     check_non_negative,
+    pack_personal,
+    personal_model,
     started_from,
 )
 from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
@@ -41,7 +43,6 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["PerFedMAML"]
 
-_THETA = "theta."
 _SUM = "sum."
 
 
@@ -63,11 +64,14 @@ class PerFedMAML(Algorithm):
         finetune_steps: SGD steps from θ_i before a client is evaluated (default 1).
         finetune_lr: rate of those steps (default α).
         finetune_batch_size: batch size of those steps (``None`` = the client's whole training set).
+
+    The common argument ``local_lr`` is refused (``unused_args``): the local step size is ``beta``.
     """
 
     name = "perfedmaml"
     server_optimizer_applies = False
     summary = "PerFedMAML: per-client MAML initialisations θ_i with λ‖θ_i − θ̄‖² coupling to their mean"
+    unused_args = {"local_lr": "PerFedMAML's local (meta) step size is beta; alpha is the adaptation rate"}
 
     def __init__(
         self,
@@ -101,7 +105,7 @@ class PerFedMAML(Algorithm):
     # -- state ---------------------------------------------------------------------------------
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """θ_i, read only once the client has trained (``client.seen``); a copy of the global model."""
-        return {_THETA + n: v.detach().clone() for n, v in params.items()}
+        return pack_personal({n: v.detach().clone() for n, v in params.items()})
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """S = Σ_{i seen} p_i θ_i and P = Σ_{i seen} p_i, both zero before the first round."""
@@ -114,7 +118,7 @@ class PerFedMAML(Algorithm):
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> Params:
         """θ_i for a client that has trained, θ̄ (the global model) otherwise."""
-        return started_from(client, {k: state[_THETA + k] for k in params}, params)
+        return started_from(client, personal_model(state, params), params)
 
     # -- client and server ---------------------------------------------------------------------
     def client_update(
@@ -140,7 +144,7 @@ class PerFedMAML(Algorithm):
         # change of S: p_i (θ_new − θ_old) for a returning client, p_i θ_new for a first-time one
         extras = {_SUM + k: p * (theta[k] - seen * theta_old[k]) for k in theta}
         extras["total"] = p * (1.0 - seen)
-        new_state = {_THETA + k: v for k, v in theta.items()}
+        new_state = pack_personal(theta)
         metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}
         return ClientOutput(tree_sub(theta, params), new_state, extras, metrics)
 

@@ -47,7 +47,17 @@ from abc import abstractmethod
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative, started_from
+from lightning_fedmeta.algorithms.base import (
+    PERSONAL,
+    Algorithm,
+    ClientOutput,
+    ClientRecord,
+    check_non_negative,
+    pack_personal,
+    personal_model,
+    started_from,
+)
+from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
 __all__ = [
@@ -55,13 +65,9 @@ __all__ = [
     "SimilarityRegularizedMTL",
     "coupling_column",
     "similarity_centre",
-    "cosine_similarity_matrix",
-    "prox_sgd",
-    "personal_model",
-    "pack_personal",
+    "clipped_cosine_similarity",
 ]
 
-PERSONAL = "w."
 MODELS = "models."
 SIMILARITY = "similarity"
 UPDATES = "updates"
@@ -70,45 +76,10 @@ SEEN = "seen"
 TOTAL = "total"
 
 
-def personal_model(state: dict[str, Tensor], params: Params, prefix: str = PERSONAL) -> Params:
-    """The personal model ``{name: state[prefix + name]}`` (names from ``params``)."""
-    return {k: state[prefix + k] for k in params}
-
-
-def pack_personal(w: Params, prefix: str = PERSONAL) -> dict[str, Tensor]:
-    """``{prefix + name: w[name]}``: a personal model as client-state entries."""
-    return {prefix + k: v for k, v in w.items()}
-
-
-def prox_sgd(
-    ctx: ClientContext,
-    w0: Params,
-    batches: Batch,
-    lr: float,
-    coef: float | Tensor,
-    centre: Params,
-    first: int = 0,
-    steps: int | None = None,
-) -> tuple[Params, Tensor]:
-    """Proximal SGD ``w ← w − η (∇F(w; Dₜ) + c (w − u))`` over ``batches[first:first + steps]``.
-
-    Returns the final model and the mean training loss ``F(w; Dₜ)`` over the steps.
-    ``c = 0`` is plain local SGD.
-    """
-    n = batches.x.shape[0] - first if steps is None else steps
-    w = w0
-    losses = []
-    for t in range(first, first + n):
-        loss, g = ctx.loss_and_grad(w, batches.at(t, 0))
-        w = {k: w[k] - lr * (g[k] + coef * (w[k] - centre[k])) for k in w}
-        losses.append(loss)
-    return w, torch.stack(losses).mean()
-
-
 class RegularizedMTL(Algorithm):
     """Base of ``mtl_mean``, ``mtl_pairwise`` and ``mtl_graph``: personal models, prox SGD, exact mean tracking.
 
-    Client state (one row per client): ``w.<name>``, the personal model (read only once the client
+    Client state (one row per client): ``personal.<name>``, the personal model (read only once the client
     has trained, ``client.seen``; before that the client's model is the current mean w̄). Server
     state: ``total`` = P = Σ_{k seen} p_k. Subclasses give the proximal coefficient and centre of a
     client (:meth:`prox_terms`). See the module docstring for the objective, the client step and
@@ -140,7 +111,7 @@ class RegularizedMTL(Algorithm):
     # -- state --------------------------------------------------------------------------------
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """The personal model's row, a copy of ``params`` (not read before the client has trained)."""
-        return {PERSONAL + n: v.detach().clone() for n, v in params.items()}
+        return pack_personal({n: v.detach().clone() for n, v in params.items()})
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """``total`` = P = Σ_{k seen} p_k, 0 before the first round."""
@@ -263,7 +234,7 @@ def similarity_centre(
     return degree, tree_weighted_sum(models, coeffs)
 
 
-def cosine_similarity_matrix(updates: Tensor) -> Tensor:
+def clipped_cosine_similarity(updates: Tensor) -> Tensor:
     """``S_jk = max(0, cos(Δ_j, Δ_k))`` for ``j ≠ k`` and ``S_kk = 0``; rows of ``updates [K, P]``.
 
     A client without an update yet (a zero row) has similarity 0 to everyone.
@@ -367,5 +338,5 @@ class SimilarityRegularizedMTL(RegularizedMTL):
             flat = torch.cat([outputs.delta[n].reshape(idx.numel(), -1) for n in params], dim=1)
             updates = server_state[UPDATES].index_copy(0, idx, flat.to(server_state[UPDATES]))
             new_state[UPDATES] = updates
-            new_state[SIMILARITY] = cosine_similarity_matrix(updates) * _training_mask(server_state[WEIGHTS])
+            new_state[SIMILARITY] = clipped_cosine_similarity(updates) * _training_mask(server_state[WEIGHTS])
         return delta, new_state

@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative
-from lightning_fedmeta.algorithms.fedavg import local_sgd
+from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["Reptile"]
@@ -35,10 +35,13 @@ class Reptile(Algorithm):
         finetune_steps: SGD steps from w before a client is evaluated (default 1).
         finetune_lr: rate of those steps (default α).
         finetune_batch_size: batch size of those steps (``None`` = the client's whole training set).
+
+    The common argument ``local_lr`` is refused (``unused_args``): the inner rate is ``alpha``.
     """
 
     name = "reptile"
     summary = "Reptile: τ inner SGD steps, server moves w towards the clients' adapted models (Nichol et al., 2018)"
+    unused_args = {"local_lr": "Reptile's inner (local) learning rate is alpha"}
 
     def __init__(
         self,

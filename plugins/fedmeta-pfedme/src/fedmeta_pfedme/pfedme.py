@@ -66,12 +66,22 @@ class PFedMe(Algorithm):
         eval_batch_size: batch of the new-client prox solve at evaluation (``None`` = the client's whole
             training set); used only for clients that have never trained.
 
+    The common arguments ``finetune_steps``, ``finetune_lr`` and ``finetune_batch_size`` are refused
+    (``unused_args``): pFedMe's evaluation is the personal model or its prox solve, not fine-tuning.
+
     Client state: ``theta.<name>``, the personal model θ_i of the client's last local training (one model
     per client). A trained client is evaluated with it; a never-trained one with θ̂_i(w).
     """
 
     name = "pfedme"
     summary = "pFedMe: personal θ_i = prox of f_i at w (K inner steps), w on the Moreau envelope (Dinh et al., 2020)"
+    # Common arguments pFedMe does not use, with the reason (refused with it; left out of repr/hparams).
+    unused_args = {
+        "finetune_steps": "pFedMe evaluates a client with its personal model θ_i, or, never trained, with its prox "
+        "solve θ̂_i(w) (inner_steps steps at personal_lr): it takes no fine-tuning SGD steps",
+        "finetune_lr": "pFedMe takes no fine-tuning steps; its prox solve runs at personal_lr",
+        "finetune_batch_size": "the batch of pFedMe's evaluation-time prox solve is eval_batch_size",
+    }
 
     def __init__(
         self,
@@ -87,7 +97,7 @@ class PFedMe(Algorithm):
             eval_batch_size is None or eval_batch_size > 0,
             f"eval_batch_size must be > 0 (or None for the whole training set), got {eval_batch_size!r}",
         )
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps=0, finetune_batch_size=eval_batch_size)
+        super().__init__(local_steps, local_lr, batch_size)
         _require(lam > 0, f"lam (λ) must be > 0, got {lam!r}")
         _require(personal_lr > 0, f"personal_lr (ν) must be > 0, got {personal_lr!r}")
         _require(
