@@ -2,7 +2,7 @@
 
 Both paths call the same function with the same inputs and stack the outputs the same way, so
 they agree to floating-point reassociation (tested to 1e-6). The looped path is the fallback for
-models ``vmap`` cannot handle (BatchNorm running statistics, dropout with per-client draws).
+models ``vmap`` cannot handle (dropout with per-client draws).
 """
 
 from __future__ import annotations
@@ -16,9 +16,51 @@ from torch import nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["run_clients", "choose_batching", "ClientBatching"]
+__all__ = ["run_clients", "choose_batching", "ClientBatching", "BatchingError"]
 
 ClientBatching = Literal["auto", "vmap", "loop"]
+
+#: PyTorch's messages for code that vmap cannot batch (a tensor's value in Python control flow, .item())
+_VMAP_CONTROL_FLOW = ("data-dependent control flow", "calling .item() on a Tensor")
+_VMAP_RANDOMNESS = "random operation while in randomness error mode"
+
+
+class BatchingError(RuntimeError):
+    """A per-client function cannot run batched under ``torch.func.vmap``; the message names the fix."""
+
+
+def _batching_error(exc: BaseException, label: str) -> BatchingError | None:
+    """A clear error for PyTorch's raw vmap errors (``None`` for any other error)."""
+    text = str(exc)
+    first = text.splitlines()[0] if text else type(exc).__name__
+    loop_fix = (
+        "or set `batchable = False` on the algorithm class (its clients then always run in a Python loop), "
+        "or run this module with `client_batching=\"loop\"`"
+    )
+    if any(pattern in text for pattern in _VMAP_CONTROL_FLOW):
+        return BatchingError(
+            f"{label} uses a tensor's value in Python control flow (an `if`/`while` on a tensor, `bool()`, `int()`, "
+            "`float()` or `.item()`), which cannot run batched: under torch.func.vmap one call serves all clients "
+            "at once, so there is no single value to branch on. Fix: write the branch with tensor operations "
+            f"(`torch.where(cond, a, b)`, masks, `torch.clamp`), {loop_fix}. PyTorch said: {first}"
+        )
+    if _VMAP_RANDOMNESS in text:
+        return BatchingError(
+            f"{label} draws random numbers, which the batched client path refuses (vmap(randomness='error')): "
+            "every draw must be a pure function of (seed, round, client). Fix: remove the random draw, "
+            f"{loop_fix} (the loop seeds each client's draws from (seed, round, client)). PyTorch said: {first}"
+        )
+    return None
+
+
+def _call_batched(batched: Callable[..., Any], args: tuple[Any, ...], label: str) -> Any:
+    try:
+        return batched(*args)
+    except RuntimeError as exc:
+        error = _batching_error(exc, label)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _select(tree: Any, i: int | slice) -> Any:
@@ -46,6 +88,7 @@ def run_clients(
     chunk_size: int | None = None,
     client_seeds: list[int] | None = None,
     compiled: dict[Any, Callable[..., Any] | None] | None = None,
+    label: str | None = None,
 ) -> Any:
     """Evaluate ``fn(*shared, *per_client_i)`` for every client ``i`` and stack the results.
 
@@ -57,9 +100,11 @@ def run_clients(
         client_seeds: in loop mode, the global RNG is seeded with ``client_seeds[i]`` for client
             ``i`` (for models with dropout), and restored afterwards.
         compiled: in vmap mode, a cache dict: the batched function is ``torch.compile``-d once per
-            ``fn`` and kept there (compilation costs seconds to minutes; rounds then run about 2x
-            faster on CPU). A step dynamo cannot trace (e.g. forward-over-reverse Hessian-vector
-            products) falls back to eager with one warning.
+            ``fn`` and kept there (timings: benchmarks/results/speed.md). A step dynamo cannot trace
+            (e.g. forward-over-reverse Hessian-vector products) falls back to eager with one warning.
+        label: what ``fn`` runs, for error messages (e.g. ``"FedAvg.client_update"``). PyTorch's raw vmap
+            errors (a tensor's value in Python control flow, ``.item()``, random draws) are re-raised as a
+            :class:`BatchingError` naming it and the fixes, chained from the original.
     """
     if num_clients == 0:
         raise ValueError("run_clients needs at least one client")
@@ -84,14 +129,15 @@ def run_clients(
             compiled[key] = torch.compile(eager)
         batched = compiled[key] or eager  # None marks a step that fell back to eager
     size = num_clients if chunk_size is None else max(1, chunk_size)
+    label = label or getattr(fn, "__qualname__", "the client function")
     chunks = []
     for start in range(0, num_clients, size):
         sl = slice(start, min(start + size, num_clients))
         args = (*shared, *_select(per_client, sl))
         try:
-            chunks.append(batched(*args))
+            chunks.append(_call_batched(batched, args, label))
         except Exception as exc:  # a step torch.compile cannot trace: run it eagerly from now on
-            if batched is eager or compiled is None:
+            if batched is eager or compiled is None or isinstance(exc, BatchingError):
                 raise
             warnings.warn(
                 f"torch.compile could not compile the client step ({type(exc).__name__}: "
@@ -100,29 +146,27 @@ def run_clients(
             )
             compiled[key] = None
             batched = eager
-            chunks.append(batched(*args))
+            chunks.append(_call_batched(batched, args, label))
     return chunks[0] if len(chunks) == 1 else _cat(chunks)
 
 
 def choose_batching(model: nn.Module, requested: ClientBatching) -> tuple[Literal["vmap", "loop"], str]:
-    """Pick the client path for ``model``: returns the mode and the reason (for an info line)."""
-    stateful_norm = [
-        n for n, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
+    """Pick the client path for ``model``: returns the mode and the reason (for an info line).
+
+    BatchNorm layers with running statistics are expected to have been switched to batch statistics
+    already (``FederatedModule`` does it before calling this), so only dropout forces the loop.
+    """
     random_layers = [
         n for n, m in model.named_modules()
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
     ]
     if requested == "loop":
         return "loop", "client_batching='loop' requested"
-    blockers = []
-    if stateful_norm:
-        blockers.append(f"BatchNorm with running statistics ({', '.join(stateful_norm[:3])})")
     if random_layers:
-        blockers.append(f"dropout drawn per client ({', '.join(random_layers[:3])})")
-    if blockers:
-        reason = "the batched (vmap) client path cannot run " + " and ".join(blockers) + "; running clients looped"
+        reason = (
+            f"the batched (vmap) client path cannot run dropout drawn per client ({', '.join(random_layers[:3])}); "
+            "running clients looped"
+        )
         if requested == "vmap":
             raise ValueError(f"client_batching='vmap' is impossible for this model: {reason}")
         return "loop", reason

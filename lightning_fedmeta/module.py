@@ -37,6 +37,12 @@ from lightning_fedmeta.models import default_model
 from lightning_fedmeta.registry import create_algorithm
 from lightning_fedmeta.sampling import choose_holdout, draw_batch_indices, sample_clients, stable_seed
 from lightning_fedmeta.state import ClientStateStore
+from lightning_fedmeta.validation import (
+    validate_aggregate_output,
+    validate_client_output,
+    validate_init_client_states,
+    validate_init_server_state,
+)
 
 __all__ = ["FederatedModule", "format_summary"]
 
@@ -90,13 +96,12 @@ class FederatedModule(LightningModule):
             refuse it, and any ``server_lr`` other than 1, at construction.
         server_lr_scheduler: optional scheduler factory for the server optimizer, stepped every round.
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
-        client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast:
-            Per-FedAvg HF with 500 clients per round takes 7.4 s in chunks of 100 against 10.5 s in
-            one call); ``None`` = all at once.
+        client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast);
+            ``None`` = all at once. Timings: benchmarks/results/speed.md.
         compile_clients: ``torch.compile`` the batched client step (vmap path only; evaluation stays
-            eager). Compilation costs seconds to minutes once, then rounds run about 2x faster on
-            CPU: worth it for runs of many hundred rounds (see benchmarks/README.md). Steps dynamo
-            cannot trace fall back to eager with a warning.
+            eager). Compilation takes a while once, then rounds run faster: worth it for long runs
+            (timings: benchmarks/results/speed.md). Steps dynamo cannot trace fall back to eager
+            with a warning.
         holdout_clients: clients never sampled in training (count, or fraction in [0, 1)); they
             are evaluated separately as new clients.
         seed: seed of client sampling and mini-batch draws (independent of the data seed).
@@ -184,7 +189,7 @@ class FederatedModule(LightningModule):
         self.last_per_client_accuracy: Tensor | None = None
         self.last_per_client: dict[str, Tensor] = {}
         self._data_spec: dict[str, Any] | None = None
-        self._ready = False
+        self._validated: set[str] = set()  # algorithm functions whose outputs passed validation (first round)
         self._placed_on: torch.device | None = None
         self._loaded_round = 0  # the round of a loaded checkpoint (test/validate do not restore global_step)
 
@@ -242,9 +247,14 @@ class FederatedModule(LightningModule):
         everyone = self.records(torch.arange(k), device=torch.device("cpu"))
         self.algorithm.bind_clients(everyone, data.label_counts.cpu())
         if not self.client_states.tensors:
-            self.client_states = ClientStateStore(self.algorithm.init_client_states(params, everyone))
+            states = self.algorithm.init_client_states(params, everyone)
+            validate_init_client_states(self.algorithm, states, k)
+            self.client_states = ClientStateStore(states)
         if not self.server_state:
-            self.server_state = self.algorithm.init_server_state(params)
+            server_state = self.algorithm.init_server_state(params)
+            validate_init_server_state(self.algorithm, server_state)
+            self.server_state = server_state
+        self._validated = set()  # client_update and aggregate are validated on the first round with this data
         self.metric = PersonalizedMetrics(k)
         self.ctx = ClientContext(self.model)
         self._test_width = int(data.test_counts.max())
@@ -253,7 +263,6 @@ class FederatedModule(LightningModule):
             f"[lightning_fedmeta] {self.algorithm!r}: {k} clients ({n_eligible} training, "
             f"{k - n_eligible} held out), {self.num_sampled} per round; clients: {reason}"
         )
-        self._ready = True
 
     def records(self, clients: Tensor, device: torch.device | None = None) -> ClientRecord:
         """The stacked :class:`ClientRecord` of the given client indices (on the module's device)."""
@@ -415,8 +424,13 @@ class FederatedModule(LightningModule):
         out = run_clients(
             self._client_fn, (self._global_params(), self.server_state), (batches, states, self.records(local)),
             local.numel(), self.batching, self.client_chunk_size, seeds, self._compiled,
+            label=f"{type(self.algorithm).__name__}.client_update",
         )
         out = self._combine_ranks(out, positions, sampled.numel())
+        if "client_update" not in self._validated:  # once: later rounds cost nothing
+            validate_client_output(self.algorithm, out, self._global_params(), self.client_states.tensors,
+                                   sampled.numel(), strict_dtypes=not torch.is_autocast_enabled(self.device.type))
+            self._validated.add("client_update")
         return sampled, out, self._weights(sampled)
 
     def commit_round(self, sampled: Tensor, out: ClientOutput, server_state: dict[str, Tensor]) -> None:
@@ -446,9 +460,12 @@ class FederatedModule(LightningModule):
         sampled, out, weights = self.compute_round(r)
         self._check_finite(r, sampled, out)
         params = self._global_params()
-        delta, new_server_state = self.algorithm.aggregate(
-            params, out, weights, self.server_state, self.records(sampled)
-        )
+        result = self.algorithm.aggregate(params, out, weights, self.server_state, self.records(sampled))
+        if "aggregate" not in self._validated:  # once: later rounds cost nothing
+            validate_aggregate_output(self.algorithm, result, params, self.server_state,
+                                      strict_dtypes=not torch.is_autocast_enabled(self.device.type))
+            self._validated.add("aggregate")
+        delta, new_server_state = result
         if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
             raise FloatingPointError(f"round {r}: the aggregated update is not finite; lower the learning rates")
         opt = self.optimizers()
@@ -496,7 +513,7 @@ class FederatedModule(LightningModule):
         with torch.inference_mode(False), torch.enable_grad():
             return run_clients(
                 self._eval_fn, (params, self.server_state), (adapt, test, states, self.records(clients)),
-                clients.numel(), self.batching, chunk, seeds,
+                clients.numel(), self.batching, chunk, seeds, label=f"{type(self.algorithm).__name__}.personalize",
             )
 
     def _evaluate(self, stage: str) -> dict[str, dict[str, Tensor]]:
@@ -597,11 +614,16 @@ class FederatedModule(LightningModule):
             batches, states, record = self._new_client_batches(client, r, params)
         ctx = self.ctx if self.data is not None else ClientContext(self.model)
         server_state = {k: v.to(self.device) for k, v in self.server_state.items()}
-        with torch.inference_mode(False), torch.enable_grad():
-            w = self.algorithm.personalize(
-                ctx, params, batches, {k: v[0] for k, v in states.items()}, server_state,
-                ClientRecord(*(t[0] for t in record)),
-            )
+        was_training = self.model.training
+        self.model.eval()  # adapt exactly as the evaluation does (dropout off, batch statistics as scored)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                w = self.algorithm.personalize(
+                    ctx, params, batches, {k: v[0] for k, v in states.items()}, server_state,
+                    ClientRecord(*(t[0] for t in record)),
+                )
+        finally:
+            self.model.train(was_training)
         personal = copy.deepcopy(self.model)
         with torch.no_grad():
             for name, p in personal.named_parameters():

@@ -4,10 +4,13 @@ A client is known by its explicit record (index, weight, held out or not, traine
 every algorithm in the registry (built-ins and installed plugins alike) these tests check, on
 clients of unequal sizes with 2 of 8 held out and 3 sampled per round:
 
-(a) what the run logs for each client, held-out ones included, is what ``personalize(i)`` gives;
-(b) a client that has never trained (held out, or not sampled yet) is scored from the trained
-    global / cluster / mean model: its never-used personal state (the initialisation) plays no part;
-(c) the records the loop passes are right: weights over the training clients only, ``seen`` after a round.
+(a) a client known only by its data (``personalize((x, y))``: index −1, new, never trained) gets the
+    model a held-out client gets;
+(b) the records the loop passes are right: weights over the training clients only, ``seen`` after a round.
+
+That the logged evaluation of every client equals ``personalize(i)`` and that never-trained clients do
+not read their initial state is checked for every algorithm by ``lightning_fedmeta.testing``
+(tests/test_algorithm_conformance.py).
 """
 
 from __future__ import annotations
@@ -77,49 +80,6 @@ def trained() -> dict[str, FederatedModule]:
         make_trainer(4).fit(module, FederatedDataModule(dataset=_Clients(), eval_every=2))
         runs[name] = module
     return runs
-
-
-@pytest.mark.parametrize("name", _names())
-def test_logged_accuracy_of_every_client_equals_its_personalized_model(
-    trained: dict[str, FederatedModule], name: str
-) -> None:
-    module = trained[name]
-    assert module.data is not None and module.seen is not None
-    assert int(module.global_step) == 4
-    logged = module.last_per_client["accuracy"]
-    assert module.holdout.numel() == HOLDOUT
-    for i in range(NUM_CLIENTS):
-        x, y = module.data.client_test(i)
-        mine = _accuracy(module.personalize(i), x, y)
-        assert mine == pytest.approx(float(logged[i]), abs=1e-6), (
-            f"{name}: client {i} ({'held out' if bool(module.is_holdout[i]) else 'training'}) logged "
-            f"{float(logged[i]):.4f} but personalize({i}) scores {mine:.4f}"
-        )
-
-
-@pytest.mark.parametrize("name", _names())
-def test_never_trained_clients_do_not_use_their_initial_personal_state(
-    trained: dict[str, FederatedModule], name: str
-) -> None:
-    """Overwrite the stored state of every client that never trained with noise: a client that never
-    trained starts from the trained global/cluster/mean model, so nothing it is scored with changes."""
-    module = trained[name]
-    assert module.seen is not None
-    never = (~module.seen).nonzero().flatten()
-    assert bool(module.is_holdout[never].any()), "the held-out clients never train"
-    before = {int(i): module.personalize(int(i)).state_dict() for i in never}
-    saved = {k: v.clone() for k, v in module.client_states.tensors.items()}
-    try:
-        g = torch.Generator().manual_seed(0)
-        for v in module.client_states.tensors.values():
-            if v.is_floating_point():
-                v[never] = v[never] + 3.0 * torch.randn(v[never].shape, generator=g, dtype=v.dtype)
-        for i in never.tolist():
-            after = module.personalize(i).state_dict()
-            for k, v in before[i].items():
-                assert torch.equal(after[k], v), f"{name}: never-trained client {i}'s model reads its stored state {k}"
-    finally:
-        module.client_states.tensors = saved
 
 
 @pytest.mark.parametrize("name", _names())

@@ -1,0 +1,904 @@
+"""A plugin author's kit: check that an algorithm keeps the contract of the federated loop.
+
+In the spirit of scikit-learn's ``check_estimator``, one call runs an algorithm through the loop on
+tiny clients of unequal sizes (two held out, three of the six others sampled per round) and checks
+everything the loop relies on. A plugin's whole conformance test is::
+
+    from lightning_fedmeta.testing import check_algorithm
+
+    def test_pfedme():
+        check_algorithm("pfedme")
+
+The checks (each callable alone, with the same arguments as :func:`check_algorithm`):
+
+* :func:`check_round`: real rounds with state write-back. What ``init_client_states``,
+  ``init_server_state``, ``client_update`` and ``aggregate`` return has the right keys, shapes,
+  dtypes and devices and is finite; metrics are one scalar per client; ``client_update`` leaves
+  its inputs alone; the sampled clients' rows (and only theirs) are written back and marked seen.
+* :func:`check_loop_equals_vmap`: looped and batched (``vmap``) clients give the same rounds and
+  the same evaluation, to a tolerance (skipped for ``batchable = False`` algorithms and for
+  models with dropout).
+* :func:`check_personalize_matches_evaluation`: after a short ``Trainer.fit``, each client's
+  logged accuracy and loss are those of ``module.personalize(i)`` on its test data, for training
+  and held-out clients; a client that never trained does not read its stored (initial) state.
+* :func:`check_resume_is_bit_exact`: a run resumed from a Lightning checkpoint written mid-run ends
+  bit for bit where the uninterrupted run ends (model, client states, server state, ``seen``,
+  per-client evaluation).
+* :func:`check_bf16`: a ``precision="bf16-mixed"`` run on the CPU stays finite.
+
+A failed check raises ``AssertionError`` naming the algorithm, the check and the problem, e.g.
+``'ditto' (Ditto) failed check_round: AlgorithmContractError: Ditto.client_update (algorithm 'ditto')
+returned state['personal.0.weight'] with shape [8] per client, but its stored row ...``.
+
+Fixtures: :func:`tiny_clients` (a :class:`~lightning_fedmeta.FederatedDataset` of unequal clients),
+:func:`tiny_mlp`, :func:`quadratic_client` (a client whose loss is a known quadratic, for checks
+against a closed form) and :func:`client_record` (one client's record, for direct calls).
+
+This module needs neither pytest nor a GPU. It runs on the CPU, in a few seconds per algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, client_records
+from lightning_fedmeta.data.datamodule import FederatedDataModule
+from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
+from lightning_fedmeta.execution import choose_batching, run_clients
+from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.module import FederatedModule
+from lightning_fedmeta.registry import create_algorithm
+from lightning_fedmeta.sampling import stable_seed
+from lightning_fedmeta.validation import (
+    named_leaves,
+    validate_aggregate_output,
+    validate_client_output,
+    validate_init_client_states,
+    validate_init_server_state,
+)
+
+__all__ = [
+    "CHECKS",
+    "AlgorithmSpec",
+    "QuadraticClient",
+    "TinyClients",
+    "check_algorithm",
+    "check_bf16",
+    "check_loop_equals_vmap",
+    "check_personalize_matches_evaluation",
+    "check_resume_is_bit_exact",
+    "check_round",
+    "client_record",
+    "quadratic_client",
+    "tiny_clients",
+    "tiny_mlp",
+]
+
+AlgorithmSpec = str | Mapping[str, Any] | Algorithm | type[Algorithm]
+"""An algorithm as :func:`check_algorithm` accepts it: a registered name, a mapping
+``{"name": ..., <hyper-parameters>}``, an :class:`~lightning_fedmeta.Algorithm` instance (deep-copied
+for every run) or an ``Algorithm`` subclass (built with its defaults)."""
+
+CHECKS = (
+    "check_round",
+    "check_loop_equals_vmap",
+    "check_personalize_matches_evaluation",
+    "check_resume_is_bit_exact",
+    "check_bf16",
+)
+"""The checks :func:`check_algorithm` runs, in this order (the names its ``skip`` argument accepts)."""
+
+DEFAULT_SIZES = (6, 20, 9, 14, 5, 30, 8, 11)
+"""Training-set sizes of the default clients: unequal, some smaller than any batch size."""
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+# ----------------------------------------------------------------------------------------------
+class TinyClients(FederatedDataset):
+    """Clients of a small classification problem with unequal sizes, feature shift and label skew.
+
+    A :class:`~lightning_fedmeta.FederatedDataset`: pass it to ``FederatedDataModule(dataset=...)``,
+    or its ``client_data()`` to :func:`~lightning_fedmeta.from_client_tensors`. The samples are a pure
+    function of the arguments.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int] = DEFAULT_SIZES,
+        test_size: int = 6,
+        num_features: int = 5,
+        num_classes: int = 3,
+        seed: int = 4,
+    ) -> None:
+        if not sizes or min(sizes) < 1 or test_size < 1:
+            raise ValueError(f"every client needs >= 1 train and test sample, got sizes={list(sizes)}, "
+                             f"test_size={test_size}")
+        self.sizes = [int(n) for n in sizes]
+        self.test_size = int(test_size)
+        self.num_features = int(num_features)
+        self.num_classes = int(num_classes)
+        self.seed = int(seed)
+        self.client_names = [f"client_{i}" for i in range(len(self.sizes))]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.sizes)
+
+    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        g = torch.Generator().manual_seed(self.seed)
+        w_true = torch.randn(self.num_features, self.num_classes, generator=g)
+        clients = []
+        for i, n in enumerate(self.sizes):
+            shift = torch.randn(self.num_features, generator=g) * 0.5 * (i % 3)
+            x = torch.randn(n + self.test_size, self.num_features, generator=g) + shift
+            noise = 0.3 * torch.randn(n + self.test_size, self.num_classes, generator=g)
+            y = (x @ w_true + noise).argmax(1)
+            clients.append((x[:n], y[:n], x[n:], y[n:]))
+        return clients
+
+    def federated_data(self) -> FederatedData:
+        """The clients as :class:`~lightning_fedmeta.FederatedData` (for ``module.attach_data``)."""
+        return from_client_tensors(self.client_data(), self.num_classes, self.client_names)
+
+
+def tiny_clients(
+    num_clients: int = 8,
+    *,
+    sizes: Sequence[int] | None = None,
+    test_size: int = 6,
+    num_features: int = 5,
+    num_classes: int = 3,
+    seed: int = 4,
+) -> TinyClients:
+    """A :class:`TinyClients` dataset: ``num_clients`` clients with training sets of unequal sizes
+    (``6, 20, 9, 14, 5, 30, 8, 11``, repeated; or ``sizes``) and ``test_size`` test samples each."""
+    if sizes is None:
+        sizes = [DEFAULT_SIZES[i % len(DEFAULT_SIZES)] for i in range(num_clients)]
+    return TinyClients(sizes, test_size, num_features, num_classes, seed)
+
+
+def tiny_mlp(num_features: int = 5, num_classes: int = 3, hidden: int = 8, seed: int = 0) -> nn.Module:
+    """``Linear → Tanh → Linear``: small, but non-linear so that second-order terms matter. Its
+    initialisation is a function of ``seed`` (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(num_features, hidden), nn.Tanh(), nn.Linear(hidden, num_classes))
+
+
+def client_record(
+    num_samples: int = 10, *, index: int = 0, weight: float = 1.0, seen: bool = False, is_new: bool = False
+) -> ClientRecord:
+    """One client's :class:`~lightning_fedmeta.ClientRecord` (0-d fields), as the loop passes it to
+    ``client_update``, ``personalize`` and ``personal_start``: for calling them directly."""
+    stacked = client_records([num_samples], weight=[weight], is_new=[is_new], seen=[seen], index=[index])
+    return ClientRecord(*(t[0] for t in stacked))
+
+
+def _half_squared_error(out: Tensor, y: Tensor) -> Tensor:
+    return 0.5 * (out.squeeze(-1) - y) ** 2
+
+
+@dataclass(frozen=True)
+class QuadraticClient:
+    """A client whose loss is the quadratic ``f(θ) = (1/2n) ‖Xθ − y‖² = ½ θᵀAθ − bᵀθ + c``
+    (``A = XᵀX/n``, ``b = Xᵀy/n``), seen through a bias-free ``nn.Linear(d, 1)``.
+
+    Attributes:
+        ctx: the :class:`~lightning_fedmeta.ClientContext` to call algorithms with: the linear model,
+            with the per-sample loss ``½ (h(x) − y)²`` in place of cross-entropy.
+        params: a starting point ``{"weight": [1, d]}``.
+        batches: the client's round of batches, ``[steps, 1, n, ...]``: the full batch at every step.
+        record: the client's 0-d :class:`~lightning_fedmeta.ClientRecord` (index 0, ``n`` samples).
+        x, y: the data, ``[n, d]`` and ``[n]``.
+        hessian, b: ``A`` and ``b``.
+
+    The methods give closed forms on parameter dicts shaped like ``params``.
+    """
+
+    ctx: ClientContext
+    params: Params
+    batches: Batch
+    record: ClientRecord
+    x: Tensor
+    y: Tensor
+    hessian: Tensor
+    b: Tensor
+
+    def _vec(self, params: Params) -> Tensor:
+        return params["weight"].reshape(-1)
+
+    def _params(self, v: Tensor) -> Params:
+        return {"weight": v.reshape(1, -1)}
+
+    def loss(self, params: Params) -> Tensor:
+        """``f(θ)``."""
+        r = self.x @ self._vec(params) - self.y
+        return 0.5 * (r * r).mean()
+
+    def grad(self, params: Params) -> Params:
+        """``∇f(θ) = Aθ − b``."""
+        return self._params(self.hessian @ self._vec(params) - self.b)
+
+    def minimizer(self) -> Params:
+        """``argmin f = A⁻¹ b`` (least squares when ``A`` is singular)."""
+        return self._params(torch.linalg.lstsq(self.hessian, self.b.unsqueeze(1)).solution.squeeze(1))
+
+    def prox(self, w: Params, lam: float) -> Params:
+        """The proximal point ``argmin_θ f(θ) + λ/2 ‖θ − w‖² = (A + λI)⁻¹ (b + λw)``."""
+        eye = torch.eye(self.hessian.shape[0], dtype=self.hessian.dtype)
+        return self._params(torch.linalg.solve(self.hessian + lam * eye, self.b + lam * self._vec(w)))
+
+    def gd(self, w: Params, lr: float, steps: int) -> Params:
+        """``steps`` full-batch gradient steps ``θ ← θ − lr (Aθ − b)`` from ``w``."""
+        v = self._vec(w)
+        for _ in range(steps):
+            v = v - lr * (self.hessian @ v - self.b)
+        return self._params(v)
+
+
+def quadratic_client(
+    dim: int = 4,
+    num_samples: int = 16,
+    *,
+    steps: int = 1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    seen: bool = False,
+) -> QuadraticClient:
+    """A :class:`QuadraticClient` with ``num_samples`` random samples of dimension ``dim`` (float64 by
+    default, so closed forms hold to ~1e-12) and a round of ``steps`` full batches."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, dim, generator=g, dtype=dtype)
+    y = torch.randn(num_samples, generator=g, dtype=dtype)
+    w = {"weight": torch.randn(1, dim, generator=g, dtype=dtype)}
+    model = nn.Linear(dim, 1, bias=False).to(dtype)
+    ctx = ClientContext(model, per_sample_loss=_half_squared_error)
+    batches = Batch(
+        x.expand(steps, 1, num_samples, dim).clone(),
+        y.expand(steps, 1, num_samples).clone(),
+        torch.ones(steps, 1, num_samples, dtype=dtype),
+    )
+    return QuadraticClient(
+        ctx=ctx, params=w, batches=batches, record=client_record(num_samples, seen=seen), x=x, y=y,
+        hessian=x.T @ x / num_samples, b=x.T @ y / num_samples,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# plumbing
+# ----------------------------------------------------------------------------------------------
+class _CheckFailure(AssertionError):
+    """A failed check, its message already naming the algorithm and the check."""
+
+
+class _AsDataset(FederatedDataset):
+    """A :class:`FederatedData` as a dataset for ``FederatedDataModule``."""
+
+    def __init__(self, data: FederatedData) -> None:
+        self.data = data
+        self.num_classes = data.num_classes
+        self.client_names = list(data.client_names)
+
+    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        return [(*self.data.client_train(i), *self.data.client_test(i)) for i in range(self.data.num_clients)]
+
+
+@dataclass
+class _Setup:
+    label: str
+    make_algorithm: Callable[[], Algorithm]
+    make_model: Callable[[], nn.Module]
+    dataset: FederatedDataset
+    data: FederatedData
+    clients_per_round: int
+    holdout_clients: int
+    seed: int
+    atol: float
+    rtol: float
+
+    def module(self, **kwargs: Any) -> FederatedModule:
+        return FederatedModule(
+            model=self.make_model(), algorithm=self.make_algorithm(), clients_per_round=self.clients_per_round,
+            holdout_clients=self.holdout_clients, seed=self.seed, **kwargs,
+        )
+
+    def datamodule(self, eval_every: int) -> FederatedDataModule:
+        return FederatedDataModule(dataset=self.dataset, eval_every=eval_every)
+
+
+def _algorithm_factory(spec: AlgorithmSpec) -> Callable[[], Algorithm]:
+    if isinstance(spec, Algorithm):
+        return lambda: copy.deepcopy(spec)
+    if isinstance(spec, type) and issubclass(spec, Algorithm):
+        return spec
+    if isinstance(spec, str):
+        return lambda: create_algorithm(spec)
+    if isinstance(spec, Mapping):
+        args = dict(spec)
+        name = args.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"an algorithm given as a mapping needs a 'name' key, got keys {sorted(spec)}")
+        return lambda: create_algorithm(name, **args)
+    raise TypeError(
+        "spec must be a registered name, a mapping with 'name', an Algorithm instance or an Algorithm subclass; "
+        f"got {type(spec).__name__}"
+    )
+
+
+def _label(algorithm: Algorithm) -> str:
+    cls = type(algorithm)
+    return f"{cls.name!r} ({cls.__name__})" if cls.name else cls.__name__
+
+
+def _setup(
+    spec: AlgorithmSpec,
+    model: nn.Module | Callable[[], nn.Module] | None,
+    data: FederatedDataset | FederatedData | None,
+    clients_per_round: int,
+    holdout_clients: int,
+    seed: int,
+    atol: float,
+    rtol: float,
+) -> _Setup:
+    make_algorithm = _algorithm_factory(spec)
+    label = _label(make_algorithm())
+    dataset: FederatedDataset = tiny_clients() if data is None else data  # type: ignore[assignment]
+    if isinstance(data, FederatedData):
+        dataset = _AsDataset(data)
+        federated = data
+    else:
+        federated = from_client_tensors(dataset.client_data(), dataset.num_classes,
+                                        getattr(dataset, "client_names", None))
+    if model is None:
+        if len(federated.input_shape) != 1:
+            raise ValueError(f"pass a model for inputs of shape {federated.input_shape} (the default is an MLP)")
+        template = tiny_mlp(federated.input_shape[0], federated.num_classes)
+        make_model: Callable[[], nn.Module] = lambda: copy.deepcopy(template)  # noqa: E731
+    elif isinstance(model, nn.Module):
+        make_model = lambda: copy.deepcopy(model)  # noqa: E731
+    else:
+        make_model = model
+    return _Setup(label, make_algorithm, make_model, dataset, federated, clients_per_round, holdout_clients, seed,
+                  atol, rtol)
+
+
+_QUIET_WARNINGS = (
+    r".*does not have many workers.*",
+    r".*isinstance\(treespec, LeafSpec\).*",
+    r".*callbacks used to create the checkpoint need to be provided.*",
+    r".*The number of training batches.*",
+)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's info lines and its known harmless warnings off (the algorithm's own warnings stay), and one
+    intra-op thread: on tensors this small, thread wake-ups cost more than they save (8x on a busy 2-core machine)."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    threads = torch.get_num_threads()
+    with warnings.catch_warnings():
+        for pattern in _QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message=pattern)
+        for lg in loggers:
+            lg.setLevel(logging.WARNING)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+
+
+class _Check:
+    """The running check: ``fail(...)`` raises its ``AssertionError``; any other error inside becomes one."""
+
+    def __init__(self, setup: _Setup, name: str) -> None:
+        self.setup = setup
+        self.name = name
+
+    def fail(self, message: str) -> None:
+        raise _CheckFailure(f"{self.setup.label} failed {self.name}: {message}")
+
+
+@contextlib.contextmanager
+def _checking(setup: _Setup, name: str) -> Iterator[_Check]:
+    check = _Check(setup, name)
+    try:
+        with _quiet():
+            yield check
+    except _CheckFailure:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as the check's failure, chained
+        raise _CheckFailure(f"{setup.label} failed {name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _trainer(max_steps: int, root: str, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "max_steps": max_steps, "max_epochs": -1, "accelerator": "cpu", "devices": 1, "logger": False,
+        "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+        "num_sanity_val_steps": 0, "default_root_dir": root,
+    }
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def _clone(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in tree.items()}
+
+
+def _first_difference(a: Tensor, b: Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shape {list(a.shape)} vs {list(b.shape)}"
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype} vs {b.dtype}"
+    diff = (a.double() - b.double()).abs() if a.is_floating_point() else (a != b).double()
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    flat = int(diff.reshape(-1).argmax()) if diff.numel() else 0
+    pos = list(torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else []
+    at = [int(p) for p in pos]
+    x = a.reshape(-1)[flat].item() if a.numel() else None
+    y = b.reshape(-1)[flat].item() if b.numel() else None
+    return f"max |difference| {float(diff.max()) if diff.numel() else 0.0:.3g} at {at} ({x!r} vs {y!r})"
+
+
+def _close(a: Tensor, b: Tensor, atol: float, rtol: float) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=False))
+    return bool(torch.equal(a, b))
+
+
+def _compare_trees(
+    check: _Check, what: str, a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, exact: bool = False,
+    names: tuple[str, str] = ("expected", "got"),
+) -> None:
+    left, right = dict(named_leaves(a)), dict(named_leaves(b))
+    if left.keys() != right.keys():
+        check.fail(f"{what}: the keys differ: {names[0]} {sorted(left)}, {names[1]} {sorted(right)}")
+    for key, x in left.items():
+        y = right[key]
+        same = torch.equal(x, y) and x.dtype == y.dtype if exact else _close(x, y, atol, rtol)
+        if not same:
+            kind = "not bit-identical" if exact else f"differs beyond atol={atol:g}, rtol={rtol:g}"
+            check.fail(f"{what}{key} {kind}: {_first_difference(x, y)} ({names[0]} vs {names[1]})")
+
+
+def _apply(module: FederatedModule, delta: Params) -> None:
+    """The default server step ``SGD(lr=server_lr)``: ``w ← w + server_lr · Δ``."""
+    assert module.model is not None
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            p.add_(delta[name].to(p.dtype), alpha=module.server_lr)
+
+
+def _plain_round(module: FederatedModule, r: int) -> tuple[Tensor, ClientOutput, Params, dict[str, Tensor]]:
+    sampled, out, weights = module.compute_round(r)
+    result = module.algorithm.aggregate(module._global_params(), out, weights, module.server_state,
+                                        module.records(sampled))
+    delta, server_state = result
+    _apply(module, delta)
+    module.commit_round(sampled, out, server_state)
+    return sampled, out, delta, server_state
+
+
+# ----------------------------------------------------------------------------------------------
+# the checks
+# ----------------------------------------------------------------------------------------------
+def _check_round(setup: _Setup, rounds: int = 2) -> None:
+    with _checking(setup, "check_round") as check:
+        module = setup.module()
+        module.attach_data(setup.data)  # validates init_client_states and init_server_state
+        alg = module.algorithm
+        k = setup.data.num_clients
+        validate_init_client_states(alg, module.client_states.tensors, k)
+        validate_init_server_state(alg, module.server_state)
+        params = module._global_params()
+        # the fresh state of a client outside the federation (FederatedModule.personalize((x, y)))
+        outsider = ClientRecord(
+            index=torch.tensor([-1]), weight=torch.zeros(1, dtype=torch.float64), is_new=torch.tensor([True]),
+            seen=torch.tensor([False]), num_samples=torch.tensor([int(setup.data.train_counts[0])]),
+        )
+        fresh = alg.init_client_states(params, outsider)
+        validate_init_client_states(alg, fresh, 1)
+        if set(fresh) != set(module.client_states.tensors):
+            check.fail(f"init_client_states for one new client (index -1) gives keys {sorted(fresh)}, but for the "
+                       f"federation {sorted(module.client_states.tensors)}")
+        for name, rows in module.client_states.tensors.items():
+            # sizes may depend on the clients described (e.g. one dual variable per sample); kinds may not
+            if fresh[name].dim() != rows.dim() or fresh[name].dtype != rows.dtype:
+                check.fail(
+                    f"init_client_states for one new client (index -1) gives state[{name!r}] of shape "
+                    f"{list(fresh[name].shape[1:])} and {fresh[name].dtype} per client, but for the federation "
+                    f"{list(rows.shape[1:])} and {rows.dtype}"
+                )
+        assert module.seen is not None
+        for r in range(rounds):
+            params = module._global_params()
+            before = (_clone(params), _clone(module.server_state), _clone(module.client_states.tensors))
+            seen_before = module.seen.clone()
+            sampled, out, weights = module.compute_round(r)
+            validate_client_output(alg, out, params, module.client_states.tensors, sampled.numel(),
+                                   strict_dtypes=True, check_finite=True)
+            for what, old, now in zip(("the global parameters", "the server state", "the client state store"),
+                                      before, (params, module.server_state, module.client_states.tensors),
+                                      strict=True):
+                _compare_trees(check, f"round {r}: client_update changed {what} in place: ", old, now, exact=True,
+                               names=("before", "after"))
+            ids = sampled.tolist()
+            if len(set(ids)) != len(ids) or len(ids) != module.num_sampled:
+                check.fail(f"round {r} sampled {ids}, expected {module.num_sampled} distinct clients")
+            if bool(module.is_holdout[sampled].any()):
+                check.fail(f"round {r} sampled a held-out client: {ids}")
+            result = alg.aggregate(params, out, weights, module.server_state, module.records(sampled))
+            validate_aggregate_output(alg, result, params, module.server_state, strict_dtypes=True,
+                                      check_finite=True)
+            delta, server_state = result
+            store_before = _clone(module.client_states.tensors)
+            _apply(module, delta)
+            module.commit_round(sampled, out, server_state)
+            # write-back: the sampled clients' rows are their new state, the other rows are untouched
+            for name, rows in module.client_states.tensors.items():
+                if not torch.equal(rows[sampled], out.state[name].to(rows.dtype)):
+                    check.fail(f"round {r}: the stored rows of state[{name!r}] are not the state client_update "
+                               "returned")
+                others = torch.ones(k, dtype=torch.bool)
+                others[sampled] = False
+                if not torch.equal(rows[others], store_before[name][others]):
+                    check.fail(f"round {r}: state[{name!r}] of clients that were not sampled changed")
+            expected_seen = seen_before.clone()
+            expected_seen[sampled] = True
+            if not torch.equal(module.seen, expected_seen):
+                check.fail(f"round {r}: seen is {module.seen.tolist()}, expected {expected_seen.tolist()}")
+
+
+def _check_loop_equals_vmap(setup: _Setup, rounds: int = 2) -> None:
+    with _checking(setup, "check_loop_equals_vmap") as check:
+        probe = setup.module()
+        if not type(probe.algorithm).batchable:
+            return  # batchable = False: its clients always run looped
+        assert probe.model is not None
+        if choose_batching(probe.model, "auto")[0] == "loop":
+            return  # e.g. dropout: the model forces the loop
+        modules = {mode: setup.module(client_batching=mode) for mode in ("loop", "vmap")}
+        for module in modules.values():
+            module.attach_data(setup.data)
+        tol = {"atol": setup.atol, "rtol": setup.rtol, "names": ("loop", "vmap")}
+        for r in range(rounds):
+            (s1, o1, d1, ss1), (s2, o2, d2, ss2) = (_plain_round(m, r) for m in modules.values())
+            if not torch.equal(s1, s2):
+                check.fail(f"round {r}: the loop sampled {s1.tolist()}, vmap {s2.tolist()}")
+            for field in ClientOutput._fields:
+                _compare_trees(check, f"round {r}: client_update's {field}", getattr(o1, field), getattr(o2, field),
+                               **tol)
+            _compare_trees(check, f"round {r}: aggregate's delta", d1, d2, **tol)
+            _compare_trees(check, f"round {r}: aggregate's server_state", ss1, ss2, **tol)
+        everyone = torch.arange(setup.data.num_clients)
+        models = [_personalized_params(m, everyone, rounds) for m in modules.values()]
+        _compare_trees(check, f"personalize after round {rounds}: ", *models, **tol)
+        # accuracy counts are left out: argmax flips on ties (e.g. a model still at zero)
+        evaluated = [m.evaluate_clients(everyone, rounds) for m in modules.values()]
+        for what, a, b in zip(("correct", "total", "loss_sum"), *evaluated, strict=True):
+            if what != "correct":
+                _compare_trees(check, f"evaluation after round {rounds}: personalised {what}", a, b, **tol)
+
+
+def _personalized_params(module: FederatedModule, clients: Tensor, round_idx: int) -> Params:
+    """Every listed client's personalised parameters, stacked, computed the way the evaluation computes them."""
+    alg = module.algorithm
+    adapt = module._batches("adapt", round_idx, clients, alg.eval_plan())
+    seeds = [stable_seed(module.seed, "eval-dropout", round_idx, int(c)) for c in clients]
+
+    def personalize(params: Params, server_state: dict[str, Tensor], batches: Batch, state: dict[str, Tensor],
+                    record: ClientRecord) -> Params:
+        return alg.personalize(module.ctx, params, batches, state, server_state, record)
+
+    return run_clients(
+        personalize, (module._global_params(), module.server_state),
+        (adapt, module.client_states.gather(clients), module.records(clients)), clients.numel(), module.batching,
+        None, seeds, label=f"{type(alg).__name__}.personalize",
+    )
+
+
+def _test_loss_and_accuracy(module: FederatedModule, model: nn.Module, i: int) -> tuple[float, float]:
+    assert module.data is not None
+    x, y = module.data.client_test(i)
+    with torch.no_grad():
+        logits = model(x.to(module.device))
+        y = y.to(logits.device)
+        accuracy = float((logits.argmax(-1) == y).double().mean())
+        loss = float(module.ctx.per_sample_loss(logits, y).double().mean())
+    return accuracy, loss
+
+
+@dataclass
+class _Run:
+    """A finished ``Trainer.fit`` that wrote a checkpoint after round ``resume_at``."""
+
+    module: FederatedModule
+    checkpoint: Path
+    rounds: int
+    resume_at: int
+    eval_every: int
+
+
+def _fit_with_checkpoint(setup: _Setup, root: str, rounds: int, resume_at: int, eval_every: int) -> _Run:
+    path = Path(root) / "mid.ckpt"
+    module = setup.module()
+    _trainer(rounds, root, callbacks=[_SaveAt(resume_at, path)]).fit(module, setup.datamodule(eval_every))
+    return _Run(module, path, rounds, resume_at, eval_every)
+
+
+def _check_personalize(setup: _Setup, rounds: int = 3, eval_every: int = 2, run: _Run | None = None) -> None:
+    with _checking(setup, "check_personalize_matches_evaluation") as check, tempfile.TemporaryDirectory() as root:
+        if run is None:
+            module = setup.module()
+            _trainer(rounds, root).fit(module, setup.datamodule(eval_every))
+        else:
+            module, rounds = run.module, run.rounds
+        assert module.data is not None and module.seen is not None
+        logged = module.last_per_client
+        module.train()  # as after Trainer.fit: personalize(i) must not depend on the module's mode
+        for i in range(module.data.num_clients):
+            group = "held-out" if bool(module.is_holdout[i]) else "training" if bool(module.seen[i]) else "unsampled"
+            accuracy, loss = _test_loss_and_accuracy(module, module.personalize(i), i)
+            if abs(accuracy - float(logged["accuracy"][i])) > 1e-6 or not math.isclose(
+                loss, float(logged["loss"][i]), rel_tol=max(setup.rtol, 1e-5), abs_tol=max(setup.atol, 1e-5)
+            ):
+                check.fail(
+                    f"{group} client {i}: the evaluation after round {rounds} logged accuracy "
+                    f"{float(logged['accuracy'][i]):.6f} and loss {float(logged['loss'][i]):.6f}, but "
+                    f"module.personalize({i}) scores {accuracy:.6f} and {loss:.6f} on its test data: personalize "
+                    "must give the model the evaluation scores (no hidden state, nothing that depends on how it is "
+                    "called)"
+                )
+        never = (~module.seen).nonzero().flatten().tolist()
+        if setup.holdout_clients and not never:
+            check.fail("no client is left untrained (held-out clients must never train)")
+        before = {i: {k: v.detach().clone() for k, v in module.personalize(i).state_dict().items()} for i in never}
+        for i in never:  # a pure personalize gives the same model twice; only then can a change be blamed on state
+            again = module.personalize(i).state_dict()
+            for name, value in before[i].items():
+                if not torch.equal(again[name], value):
+                    check.fail(
+                        f"module.personalize({i}) gave a different model ({name}) when called a second time: "
+                        "personalize must be a pure function of its arguments (no hidden Python state)"
+                    )
+        saved = _clone(module.client_states.tensors)
+        g = torch.Generator().manual_seed(0)
+        try:
+            for v in module.client_states.tensors.values():
+                if v.is_floating_point() and never:
+                    rows = torch.tensor(never, device=v.device)
+                    noise = torch.randn(v[rows].shape, generator=g, dtype=v.dtype).to(v.device)
+                    v[rows] = v[rows] + 3.0 + noise
+            for i in never:
+                after = module.personalize(i).state_dict()
+                for name, value in before[i].items():
+                    if not torch.equal(after[name], value):
+                        group = "held-out" if bool(module.is_holdout[i]) else "unsampled"
+                        check.fail(
+                            f"{group} client {i} has never trained, yet its personalised model ({name}) changes with "
+                            "its stored state: a client that never trained must start from the global (cluster, "
+                            "mean) model, not read its initial state: pick with client.seen, e.g. "
+                            "torch.where(client.seen, personal, global)"
+                        )
+        finally:
+            module.client_states.tensors = saved
+
+
+class _SaveAt(Callback):
+    """Write a checkpoint right after round ``step`` (where ``ModelCheckpoint(every_n_train_steps)`` writes)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step = step
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _check_resume(
+    setup: _Setup, rounds: int = 3, resume_at: int = 2, eval_every: int = 2, run: _Run | None = None
+) -> None:
+    with _checking(setup, "check_resume_is_bit_exact") as check, tempfile.TemporaryDirectory() as root:
+        if run is None:
+            run = _fit_with_checkpoint(setup, root, rounds, resume_at, eval_every)
+        straight, path, rounds, resume_at, eval_every = (run.module, run.checkpoint, run.rounds, run.resume_at,
+                                                         run.eval_every)
+        if not path.exists():
+            check.fail(f"no checkpoint was written after round {resume_at}")
+        resumed = setup.module()
+        assert resumed.model is not None
+        with torch.no_grad():  # other initial weights: the resumed run must take them from the checkpoint
+            for p in resumed.model.parameters():
+                p.add_(0.5)
+        trainer = _trainer(rounds, root)
+        trainer.fit(resumed, setup.datamodule(eval_every), ckpt_path=str(path))
+        if trainer.global_step != rounds:
+            check.fail(f"the resumed run stopped at round {trainer.global_step}, not {rounds}")
+        names = ("uninterrupted", "resumed")
+        assert straight.model is not None and resumed.model is not None
+        _compare_trees(check, "model", straight.model.state_dict(), resumed.model.state_dict(), exact=True,
+                       names=names)
+        _compare_trees(check, "state", straight.client_states.tensors, resumed.client_states.tensors,
+                       exact=True, names=names)
+        _compare_trees(check, "server_state", straight.server_state, resumed.server_state, exact=True, names=names)
+        _compare_trees(check, "seen", straight.seen, resumed.seen, exact=True, names=names)
+        _compare_trees(check, f"per-client evaluation after round {rounds} ", straight.last_per_client,
+                       resumed.last_per_client, exact=True, names=names)
+
+
+def _check_bf16(setup: _Setup, rounds: int = 2) -> None:
+    with _checking(setup, "check_bf16") as check, tempfile.TemporaryDirectory() as root:
+        module = setup.module()
+        trainer = _trainer(rounds, root, precision="bf16-mixed")
+        trainer.fit(module, setup.datamodule(rounds))
+        assert module.model is not None
+        for name, p in module.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                check.fail(f"parameter {name} is not finite after {rounds} bf16-mixed rounds")
+        for name, t in named_leaves(module.client_states.tensors, "state"):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                check.fail(f"client {name} is not finite after {rounds} bf16-mixed rounds")
+        for name, t in named_leaves(module.server_state, "server_state"):
+            if t.is_floating_point() and bool(torch.isnan(t).any()):
+                check.fail(f"{name} holds NaN after {rounds} bf16-mixed rounds")
+        for key in ("train/loss", "val/acc_weighted", "val/loss_weighted"):
+            value = trainer.callback_metrics.get(key)
+            if value is not None and not bool(torch.isfinite(value).all()):
+                check.fail(f"{key} is {float(value)} after {rounds} bf16-mixed rounds")
+        if "val/acc_weighted" not in trainer.callback_metrics:
+            check.fail(f"no evaluation was logged after {rounds} bf16-mixed rounds")
+
+
+# ----------------------------------------------------------------------------------------------
+# public entry points
+# ----------------------------------------------------------------------------------------------
+def check_round(
+    spec: AlgorithmSpec,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    data: FederatedDataset | FederatedData | None = None,
+    clients_per_round: int = 3,
+    holdout_clients: int = 2,
+    seed: int = 1,
+    rounds: int = 2,
+) -> None:
+    """Real rounds with state write-back, every output checked (see the module docstring)."""
+    _check_round(_setup(spec, model, data, clients_per_round, holdout_clients, seed, 0.0, 0.0), rounds)
+
+
+def check_loop_equals_vmap(
+    spec: AlgorithmSpec,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    data: FederatedDataset | FederatedData | None = None,
+    clients_per_round: int = 3,
+    holdout_clients: int = 2,
+    seed: int = 1,
+    rounds: int = 2,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> None:
+    """Looped and ``vmap``-ed clients agree to ``atol``/``rtol`` on ``rounds`` rounds and the evaluation after
+    them (integer and boolean tensors exactly). Does nothing for ``batchable = False`` algorithms or models
+    that force the loop (dropout)."""
+    _check_loop_equals_vmap(_setup(spec, model, data, clients_per_round, holdout_clients, seed, atol, rtol), rounds)
+
+
+def check_personalize_matches_evaluation(
+    spec: AlgorithmSpec,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    data: FederatedDataset | FederatedData | None = None,
+    clients_per_round: int = 3,
+    holdout_clients: int = 2,
+    seed: int = 1,
+    rounds: int = 3,
+    eval_every: int = 2,
+) -> None:
+    """After ``Trainer.fit`` for ``rounds`` rounds, every client's logged accuracy and loss are those of
+    ``module.personalize(i)`` on its test data, and a never-trained client's model ignores its stored state."""
+    _check_personalize(_setup(spec, model, data, clients_per_round, holdout_clients, seed, 1e-5, 1e-5), rounds,
+                       eval_every)
+
+
+def check_resume_is_bit_exact(
+    spec: AlgorithmSpec,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    data: FederatedDataset | FederatedData | None = None,
+    clients_per_round: int = 3,
+    holdout_clients: int = 2,
+    seed: int = 1,
+    rounds: int = 3,
+    resume_at: int = 2,
+    eval_every: int = 2,
+) -> None:
+    """A run resumed from the Lightning checkpoint written after round ``resume_at`` ends exactly like the
+    uninterrupted run of ``rounds`` rounds (model, client and server state, ``seen``, per-client evaluation)."""
+    _check_resume(_setup(spec, model, data, clients_per_round, holdout_clients, seed, 0.0, 0.0), rounds, resume_at,
+                  eval_every)
+
+
+def check_bf16(
+    spec: AlgorithmSpec,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    data: FederatedDataset | FederatedData | None = None,
+    clients_per_round: int = 3,
+    holdout_clients: int = 2,
+    seed: int = 1,
+    rounds: int = 2,
+) -> None:
+    """``rounds`` rounds and an evaluation under ``precision="bf16-mixed"`` on the CPU: everything finite."""
+    _check_bf16(_setup(spec, model, data, clients_per_round, holdout_clients, seed, 0.0, 0.0), rounds)
+
+
+def check_algorithm(
+    spec: AlgorithmSpec,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    data: FederatedDataset | FederatedData | None = None,
+    clients_per_round: int = 3,
+    holdout_clients: int = 2,
+    seed: int = 1,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+    skip: Sequence[str] = (),
+) -> None:
+    """Run every check of :data:`CHECKS` on an algorithm; raise ``AssertionError`` at the first failure.
+
+    Args:
+        spec: a registered name (``"pfedme"``), a mapping ``{"name": ..., <hyper-parameters>}``, an
+            :class:`~lightning_fedmeta.Algorithm` instance (deep-copied for every run) or subclass.
+        model: the network (deep-copied for every run), or a function building it. Default: :func:`tiny_mlp`.
+        data: a :class:`~lightning_fedmeta.FederatedDataset` or :class:`~lightning_fedmeta.FederatedData`.
+            Default: :func:`tiny_clients` (8 clients of unequal sizes).
+        clients_per_round: passed to :class:`~lightning_fedmeta.FederatedModule`.
+        holdout_clients: passed to :class:`~lightning_fedmeta.FederatedModule`.
+        seed: passed to :class:`~lightning_fedmeta.FederatedModule`.
+        atol: absolute tolerance of :func:`check_loop_equals_vmap` (and of the logged loss in
+            :func:`check_personalize_matches_evaluation`).
+        rtol: relative tolerance of the same comparisons.
+        skip: names of checks not to run (from :data:`CHECKS`).
+    """
+    unknown = sorted(set(skip) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown check(s) {unknown} in skip; choose from {list(CHECKS)}")
+    setup = _setup(spec, model, data, clients_per_round, holdout_clients, seed, atol, rtol)
+    if "check_round" not in skip:
+        _check_round(setup)
+    if "check_loop_equals_vmap" not in skip:
+        _check_loop_equals_vmap(setup)
+    trained = [name for name in CHECKS[2:4] if name not in skip]  # personalize and resume share one fit
+    with tempfile.TemporaryDirectory() as root:
+        run = None
+        if trained:  # one fit (3 rounds, evaluations after rounds 2 and 3, a checkpoint after round 2) serves both
+            with _checking(setup, trained[0]):
+                run = _fit_with_checkpoint(setup, root, rounds=3, resume_at=2, eval_every=2)
+        if "check_personalize_matches_evaluation" in trained:
+            _check_personalize(setup, run=run)
+        if "check_resume_is_bit_exact" in trained:
+            _check_resume(setup, run=run)
+    if "check_bf16" not in skip:
+        _check_bf16(setup)
