@@ -26,7 +26,9 @@ class FederatedData:
         train_x: ``[N_train, *input_shape]`` float features of every client, client-major.
         train_y: ``[N_train]`` int64 labels.
         train_offsets: ``[K + 1]`` int64; client ``i`` owns ``train_x[train_offsets[i]:train_offsets[i+1]]``.
-        test_x, test_y, test_offsets: the same for the clients' test sets.
+        test_x: ``[N_test, *input_shape]``, the same for the clients' test sets.
+        test_y: ``[N_test]`` int64 test labels.
+        test_offsets: ``[K + 1]`` int64; client ``i`` owns ``test_x[test_offsets[i]:test_offsets[i+1]]``.
         num_classes: number of label classes.
         client_names: optional human-readable client names (defaults to ``client_0``...).
     """
