@@ -36,7 +36,7 @@ from lightning_fedmeta.metrics import PersonalizedMetrics
 from lightning_fedmeta.models import default_model
 from lightning_fedmeta.registry import create_algorithm
 from lightning_fedmeta.sampling import choose_holdout, draw_batch_indices, sample_clients, stable_seed
-from lightning_fedmeta.state import ClientStateStore
+from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
 from lightning_fedmeta.validation import (
     validate_aggregate_output,
     validate_client_output,
@@ -182,7 +182,7 @@ class FederatedModule(LightningModule):
         self.seed = seed
 
         self.client_states = ClientStateStore()
-        self.server_state: dict[str, Tensor] = {}
+        self.server_state: dict[str, Any] = {}  # a (nested) dict of tensors
         self.seen: Tensor | None = None  # [K] bool: the client took part in a completed round (checkpointed)
         self.data: FederatedData | None = None
         self.last_summary: dict[str, dict[str, Tensor]] = {}
@@ -339,7 +339,7 @@ class FederatedModule(LightningModule):
         if self.data.train_x.device != self.device:
             self.data = self.data.to(self.device)
         self.client_states.to(self.device)
-        self.server_state = {k: v.to(self.device) for k, v in self.server_state.items()}
+        self.server_state = map_state(lambda v: v.to(self.device), self.server_state)
         self.ctx = ClientContext(self.model, {n: b for n, b in self.model.named_buffers()})
         self._placed_on = self.device
 
@@ -443,8 +443,8 @@ class FederatedModule(LightningModule):
 
     def _check_finite(self, round_idx: int, sampled: Tensor, out: ClientOutput) -> None:
         assert self.data is not None
-        leaves = list(out.delta.values()) + list(out.metrics.values()) + list(out.extras.values())
-        leaves += [t for t in out.state.values() if t.is_floating_point()]
+        leaves = list(out.delta.values()) + list(out.metrics.values()) + list(flatten_state(out.extras).values())
+        leaves += [t for t in flatten_state(out.state).values() if t.is_floating_point()]
         ok = torch.stack([torch.isfinite(t.reshape(t.shape[0], -1)).all(1) for t in leaves]).all(0)
         if not bool(ok.all()):
             bad = int(sampled[(~ok).nonzero()[0, 0]])
@@ -613,13 +613,13 @@ class FederatedModule(LightningModule):
         else:
             batches, states, record = self._new_client_batches(client, r, params)
         ctx = self.ctx if self.data is not None else ClientContext(self.model)
-        server_state = {k: v.to(self.device) for k, v in self.server_state.items()}
+        server_state = map_state(lambda v: v.to(self.device), self.server_state)
         was_training = self.model.training
         self.model.eval()  # adapt exactly as the evaluation does (dropout off, batch statistics as scored)
         try:
             with torch.inference_mode(False), torch.enable_grad():
                 w = self.algorithm.personalize(
-                    ctx, params, batches, {k: v[0] for k, v in states.items()}, server_state,
+                    ctx, params, batches, map_state(lambda v: v[0], states), server_state,
                     ClientRecord(*(t[0] for t in record)),
                 )
         finally:
@@ -655,7 +655,7 @@ class FederatedModule(LightningModule):
         record = ClientRecord(*(t.to(self.device) for t in record))
         return (
             Batch(x[idx], y[idx], mask[0].to(self.device)),
-            {k: v.to(self.device) for k, v in states.items()},
+            map_state(lambda v: v.to(self.device), states),
             record,
         )
 
@@ -665,7 +665,7 @@ class FederatedModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fedmeta"] = {
             "client_state": self.client_states.state_dict(),
-            "server_state": {k: v.detach().cpu().clone() for k, v in self.server_state.items()},
+            "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
             "data_spec": self._data_spec,
             "round": int(self.global_step),
             "seen": None if self.seen is None else self.seen.clone(),
@@ -679,7 +679,7 @@ class FederatedModule(LightningModule):
             raise ValueError("this checkpoint was not written by lightning_fedmeta.FederatedModule")
         self.client_states.load_state_dict(saved["client_state"])
         self._placed_on = None
-        self.server_state = {k: v.clone() for k, v in saved["server_state"].items()}
+        self.server_state = unflatten_state({k: v.clone() for k, v in saved["server_state"].items()})
         self._data_spec = saved.get("data_spec")
         seen = saved.get("seen")
         if seen is not None:

@@ -28,7 +28,7 @@ The checks (each callable alone, with the same arguments as :func:`check_algorit
 
 A failed check raises ``AssertionError`` naming the algorithm, the check and the problem, e.g.
 ``'ditto' (Ditto) failed check_round: AlgorithmContractError: Ditto.client_update (algorithm 'ditto')
-returned state['personal.0.weight'] with shape [8] per client, but its stored row ...``.
+returned state['personal']['0.weight'] with shape [8] per client, but its stored row ...``.
 
 Fixtures: :func:`tiny_clients` (a :class:`~lightning_fedmeta.FederatedDataset` of unequal clients),
 :func:`tiny_mlp`, :func:`quadratic_client` (a client whose loss is a known quadratic, for checks
@@ -63,6 +63,7 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.module import FederatedModule
 from lightning_fedmeta.registry import create_algorithm
 from lightning_fedmeta.sampling import stable_seed
+from lightning_fedmeta.state import flatten_state, map_state
 from lightning_fedmeta.validation import (
     named_leaves,
     validate_aggregate_output,
@@ -439,8 +440,9 @@ def _trainer(max_steps: int, root: str, **kwargs: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
-def _clone(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v.detach().clone() for k, v in tree.items()}
+def _clone(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a (nested) dict of tensors."""
+    return map_state(lambda v: v.detach().clone(), tree)
 
 
 def _first_difference(a: Tensor, b: Tensor) -> str:
@@ -516,12 +518,13 @@ def _check_round(setup: _Setup, rounds: int = 2) -> None:
             index=torch.tensor([-1]), weight=torch.zeros(1, dtype=torch.float64), is_new=torch.tensor([True]),
             seen=torch.tensor([False]), num_samples=torch.tensor([int(setup.data.train_counts[0])]),
         )
-        fresh = alg.init_client_states(params, outsider)
-        validate_init_client_states(alg, fresh, 1)
-        if set(fresh) != set(module.client_states.tensors):
+        fresh_tree = alg.init_client_states(params, outsider)
+        validate_init_client_states(alg, fresh_tree, 1)
+        fresh, stored = flatten_state(fresh_tree), flatten_state(module.client_states.tensors)
+        if set(fresh) != set(stored):
             check.fail(f"init_client_states for one new client (index -1) gives keys {sorted(fresh)}, but for the "
-                       f"federation {sorted(module.client_states.tensors)}")
-        for name, rows in module.client_states.tensors.items():
+                       f"federation {sorted(stored)}")
+        for name, rows in stored.items():
             # sizes may depend on the clients described (e.g. one dual variable per sample); kinds may not
             if fresh[name].dim() != rows.dim() or fresh[name].dtype != rows.dtype:
                 check.fail(
@@ -551,12 +554,13 @@ def _check_round(setup: _Setup, rounds: int = 2) -> None:
             validate_aggregate_output(alg, result, params, module.server_state, strict_dtypes=True,
                                       check_finite=True)
             delta, server_state = result
-            store_before = _clone(module.client_states.tensors)
+            store_before = flatten_state(_clone(module.client_states.tensors))
             _apply(module, delta)
             module.commit_round(sampled, out, server_state)
             # write-back: the sampled clients' rows are their new state, the other rows are untouched
-            for name, rows in module.client_states.tensors.items():
-                if not torch.equal(rows[sampled], out.state[name].to(rows.dtype)):
+            returned = flatten_state(out.state)
+            for name, rows in flatten_state(module.client_states.tensors).items():
+                if not torch.equal(rows[sampled], returned[name].to(rows.dtype)):
                     check.fail(f"round {r}: the stored rows of state[{name!r}] are not the state client_update "
                                "returned")
                 others = torch.ones(k, dtype=torch.bool)
@@ -684,7 +688,7 @@ def _check_personalize(setup: _Setup, rounds: int = 3, eval_every: int = 2, run:
         saved = _clone(module.client_states.tensors)
         g = torch.Generator().manual_seed(0)
         try:
-            for v in module.client_states.tensors.values():
+            for v in flatten_state(module.client_states.tensors).values():  # the stored leaves, changed in place
                 if v.is_floating_point() and never:
                     rows = torch.tensor(never, device=v.device)
                     noise = torch.randn(v[rows].shape, generator=g, dtype=v.dtype).to(v.device)

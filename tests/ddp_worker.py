@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_trainer, tiny_datamodule  # noqa: E402
 
 from lightning_fedmeta import FederatedModule  # noqa: E402
+from lightning_fedmeta.state import flatten_state
 
 __all__ = ["ROUNDS", "run_tiny"]
 
@@ -47,7 +48,7 @@ def run_tiny(devices: int) -> dict[str, dict[str, torch.Tensor]] | None:
     return {
         "params": {k: v.detach().cpu().clone() for k, v in module.model.state_dict().items()},
         "client_state": module.client_states.state_dict(),
-        "server_state": {k: v.detach().cpu().clone() for k, v in module.server_state.items()},
+        "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(module.server_state).items()},
         "summary": {k: v.detach().cpu().clone() for k, v in module.last_summary["clients"].items()},
         "world_size": {"value": torch.tensor(trainer.world_size)},
     }

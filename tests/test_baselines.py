@@ -213,12 +213,12 @@ def test_scaffold_server_control_variate_keeps_the_weighted_mean_of_client_varia
         params = module._global_params()
         records = module.records(sampled)
         _, new_server = module.algorithm.aggregate(params, out, weights, module.server_state, records)
-        expected = module.server_state["c.weight"] + torch.einsum("c,c...->...", records.weight.float(),
-                                                                  out.extras["dc.weight"])
-        torch.testing.assert_close(new_server["c.weight"], expected)
+        expected = module.server_state["c"]["weight"] + torch.einsum("c,c...->...", records.weight.float(),
+                                                                  out.extras["dc"]["weight"])
+        torch.testing.assert_close(new_server["c"]["weight"], expected)
         module.commit_round(sampled, out, new_server)
-    c_i = module.client_states.tensors["c_i.weight"]
+    c_i = module.client_states.tensors["c_i"]["weight"]
     p = module.client_weight.float()
     assert float(p[module.holdout].sum()) == 0.0
-    torch.testing.assert_close(module.server_state["c.weight"], torch.einsum("k,k...->...", p, c_i))
-    assert module.server_state["c.weight"].abs().max() > 0
+    torch.testing.assert_close(module.server_state["c"]["weight"], torch.einsum("k,k...->...", p, c_i))
+    assert module.server_state["c"]["weight"].abs().max() > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
+from lightning_fedmeta.algorithms.local_steps import local_sgd
+from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
+from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.testing import check_algorithm
 
 
 def _module(algorithm: dict, init_seed: int = 0) -> FederatedModule:
@@ -44,12 +50,12 @@ def test_resumed_run_is_bit_identical_to_uninterrupted_run(tmp_path: Path, eval_
 
     for k, v in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[k], v), k
-    assert set(resumed.client_states.tensors) == {"c_i.weight", "c_i.bias"}
-    for k, v in straight.client_states.tensors.items():
-        assert torch.equal(resumed.client_states.tensors[k], v), k
-    for k, v in straight.server_state.items():
-        assert torch.equal(resumed.server_state[k], v), k
-    assert straight.server_state["c.weight"].abs().sum() > 0
+    assert set(resumed.client_states.keys()) == {"c_i/weight", "c_i/bias"}
+    for k, v in flatten_state(straight.client_states.tensors).items():
+        assert torch.equal(flatten_state(resumed.client_states.tensors)[k], v), k
+    for k, v in flatten_state(straight.server_state).items():
+        assert torch.equal(flatten_state(resumed.server_state)[k], v), k
+    assert straight.server_state["c"]["weight"].abs().sum() > 0
     # the interruption really happened: the 4-step model differs from the final one
     assert not torch.equal(first.model.weight, straight.model.weight)
 
@@ -65,11 +71,11 @@ def test_load_from_checkpoint_rebuilds_default_model_and_state(tmp_path: Path) -
     assert loaded.model is not None
     for k, v in module.model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[k], v), k
-    for k, v in module.client_states.tensors.items():
-        assert torch.equal(loaded.client_states.tensors[k], v), k
+    for k, v in flatten_state(module.client_states.tensors).items():
+        assert torch.equal(flatten_state(loaded.client_states.tensors)[k], v), k
     loaded.attach_data(tiny_data())  # keeps the loaded state rather than re-initialising it
-    for k, v in module.client_states.tensors.items():
-        assert torch.equal(loaded.client_states.tensors[k], v), k
+    for k, v in flatten_state(module.client_states.tensors).items():
+        assert torch.equal(flatten_state(loaded.client_states.tensors)[k], v), k
 
 
 def test_load_from_checkpoint_with_a_custom_model_passed_again(tmp_path: Path) -> None:
@@ -127,3 +133,107 @@ def test_a_new_client_personalised_from_its_data_matches_the_held_out_evaluation
         torch.testing.assert_close(a, b, msg=name)
     with pytest.raises(ValueError, match="as many labels as inputs"):
         loaded.personalize((x, y[:1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# nested state (issue 11): client state, server state and extras are pytrees, flattened only in the checkpoint
+# ----------------------------------------------------------------------------------------------
+class _NestedState(Algorithm):
+    """Local SGD from a personal model kept as a parameter dict, with nested server state and extras."""
+
+    name = "nested-state"
+
+    def init_client_state(self, params: Params) -> dict[str, Any]:
+        return {
+            "personal": {k: v.detach().clone() for k, v in params.items()},
+            "stats": {"rounds": torch.zeros((), dtype=torch.long)},
+        }
+
+    def init_server_state(self, params: Params) -> dict[str, Any]:
+        return {"drift": {"sum": {k: torch.zeros_like(v) for k, v in params.items()}}, "rounds": torch.zeros(())}
+
+    def client_update(self, ctx: ClientContext, params: Params, batches: Batch, state: dict[str, Any],
+                      server_state: dict[str, Any], client: ClientRecord) -> ClientOutput:
+        start = started_from(client, state["personal"], params)
+        w, loss = local_sgd(ctx, start, batches, self.local_lr)
+        return ClientOutput(
+            delta=tree_sub(w, params),
+            state={"personal": w, "stats": {"rounds": state["stats"]["rounds"] + 1}},
+            extras={"drift": {"moved": tree_sub(w, start)}},
+            metrics={"loss": loss},
+        )
+
+    def aggregate(self, params: Params, outputs: ClientOutput, weights: torch.Tensor, server_state: dict[str, Any],
+                  clients: ClientRecord) -> tuple[Params, dict[str, Any]]:
+        moved = tree_weighted_sum(outputs.extras["drift"]["moved"], weights)
+        drift = {k: v + moved[k] for k, v in server_state["drift"]["sum"].items()}
+        new_state = {"drift": {"sum": drift}, "rounds": server_state["rounds"] + 1}
+        return tree_weighted_sum(outputs.delta, weights), new_state
+
+    def personal_start(self, params: Params, state: dict[str, Any], server_state: dict[str, Any],
+                       client: ClientRecord) -> Params:
+        return started_from(client, state["personal"], params)
+
+
+NESTED = _NestedState(local_steps=2, local_lr=0.2, batch_size=4)
+
+
+def test_nested_state_algorithm_passes_check_algorithm() -> None:
+    check_algorithm(NESTED)  # every check of CHECKS, bit-exact resume and bf16 included
+
+
+def test_nested_state_resumes_bit_exact_and_is_saved_flat(tmp_path: Path) -> None:
+    straight = _module(NESTED)
+    make_trainer(6).fit(straight, tiny_datamodule(eval_every=3))
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)
+    first = _module(NESTED)
+    make_trainer(3, enable_checkpointing=True, callbacks=[ckpt]).fit(first, tiny_datamodule(eval_every=3))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["fedmeta"]
+    # the checkpoint holds flat string keys, nested levels joined by "/"
+    assert set(saved["client_state"]) == {"personal/weight", "personal/bias", "stats/rounds"}
+    assert set(saved["server_state"]) == {"drift/sum/weight", "drift/sum/bias", "rounds"}
+    assert int(saved["client_state"]["stats/rounds"].sum()) == 3 * 3
+
+    resumed = _module(NESTED, init_seed=1)
+    make_trainer(6).fit(resumed, tiny_datamodule(eval_every=3), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert isinstance(resumed.client_states.tensors["personal"], dict)
+    assert isinstance(resumed.server_state["drift"]["sum"], dict)
+    for k, v in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[k], v), k
+    for name in ("client_states", "server_state"):
+        ours = getattr(straight, name)
+        theirs = getattr(resumed, name)
+        ours, theirs = (t.tensors if name == "client_states" else t for t in (ours, theirs))
+        assert flatten_state(ours).keys() == flatten_state(theirs).keys()
+        for k, v in flatten_state(ours).items():
+            assert torch.equal(flatten_state(theirs)[k], v) and flatten_state(theirs)[k].dtype == v.dtype, k
+    assert torch.equal(straight.seen, resumed.seen)
+    for k, v in straight.last_per_client.items():
+        assert torch.equal(resumed.last_per_client[k], v), k
+
+
+def test_a_flat_key_checkpoint_loads_as_flat_state(tmp_path: Path) -> None:
+    """Checkpoints written before nested state (keys like ``c_i.weight``, no ``/``) load as the same flat dicts."""
+    module = _module(SCAFFOLD)
+    trainer = make_trainer(2)
+    trainer.fit(module, tiny_datamodule())
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    flat_client = {"c_i.weight": torch.randn(6, 3, 5), "c_i.bias": torch.randn(6, 3)}
+    flat_server = {"c.weight": torch.randn(3, 5), "c.bias": torch.randn(3)}
+    checkpoint["fedmeta"]["client_state"] = flat_client
+    checkpoint["fedmeta"]["server_state"] = flat_server
+    loaded = _module(SCAFFOLD)
+    loaded.on_load_checkpoint(checkpoint)
+    assert set(loaded.client_states.tensors) == set(flat_client)
+    assert set(loaded.server_state) == set(flat_server)
+    for k, v in flat_client.items():
+        assert torch.equal(loaded.client_states.tensors[k], v)
+    for k, v in flat_server.items():
+        assert torch.equal(loaded.server_state[k], v)
+    again: dict[str, Any] = {}
+    loaded.on_save_checkpoint(again)
+    assert set(again["fedmeta"]["client_state"]) == set(flat_client)
+    assert set(again["fedmeta"]["server_state"]) == set(flat_server)

@@ -24,6 +24,7 @@ from lightning_fedmeta.algorithms.clustering import (
 from lightning_fedmeta.algorithms.ifca import IFCA
 from lightning_fedmeta.data import FederatedData, FederatedDataModule, from_client_tensors
 from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.state import flatten_state
 
 D, C, N = 8, 4, 60
 
@@ -135,7 +136,7 @@ def test_ifca_first_round_trains_the_global_model_and_seeds_each_cluster_with_it
     module = make_module(IFCA_ARGS, 12, "vmap")
     module.attach_data(data)
     w0 = module._global_params()
-    assert all(torch.equal(module.server_state[f"cluster.{n}"][j], w0[n]) for n in w0 for j in range(3))
+    assert all(torch.equal(module.server_state["cluster"][n][j], w0[n]) for n in w0 for j in range(3))
     sampled, out, weights = module.compute_round(0)
     fedavg = make_module({"name": "fedavg", "local_lr": 0.1, "local_steps": 5, "batch_size": 30}, 12, "vmap")
     fedavg.attach_data(data)
@@ -150,8 +151,8 @@ def test_ifca_first_round_trains_the_global_model_and_seeds_each_cluster_with_it
         members = (labels == j).nonzero().flatten()
         p = weights[members] / weights[members].sum()
         for n in w0:
-            expected = torch.tensordot(p, out.extras[f"model.{n}"][members], dims=1)
-            torch.testing.assert_close(state[f"cluster.{n}"][j], expected, atol=1e-6, rtol=0)
+            expected = torch.tensordot(p, out.extras["model"][n][members], dims=1)
+            torch.testing.assert_close(state["cluster"][n][j], expected, atol=1e-6, rtol=0)
     assert state["round"].item() == 1 and state["last_picked"].tolist() == [0, 0, 0]
 
 
@@ -175,7 +176,7 @@ def test_ifca_perturb_init_is_still_available_and_reproduces_the_old_start() -> 
     state = IFCA(num_clusters=3, init="perturb", init_noise=1.0, init_seed=7).init_server_state(params)
     expected = stack_perturbed(params, 3, 1.0, 7)
     for name in params:
-        assert torch.equal(state[f"cluster.{name}"], expected[name])
+        assert torch.equal(state["cluster"][name], expected[name])
 
 
 def test_ifca_cluster_models_start_different_and_deterministic() -> None:
@@ -197,18 +198,18 @@ def test_ifca_reseeds_an_idle_cluster_from_the_worst_fitting_shared_client() -> 
     assign = torch.tensor([[1.0, 0, 0], [1, 0, 0], [1, 0, 0], [0, 1, 0]])
     outputs = ClientOutput(
         delta={n: v - params[n] for n, v in models.items()}, state={},
-        extras={"assign": assign, **{f"model.{n}": v for n, v in models.items()}},
+        extras={"assign": assign, "model": dict(models)},
         # client 3 fits worst but is its cluster's only client: moving it would empty cluster 1
         metrics={"cluster_loss": torch.tensor([0.5, 2.0, 1.0, 9.0])},
     )
     weights = torch.full((4,), 0.25)
     _, state = algo.aggregate(params, outputs, weights, server, client_records([10] * 4))
     for n in params:
-        assert torch.equal(state[f"cluster.{n}"][2], models[n][1])
+        assert torch.equal(state["cluster"][n][2], models[n][1])
     assert state["last_picked"].tolist() == [5, 5, 5] and state["round"].item() == 6
     _, kept = IFCA(num_clusters=3).aggregate(params, outputs, weights, server, client_records([10] * 4))
     for n in params:
-        assert torch.equal(kept[f"cluster.{n}"][2], server[f"cluster.{n}"][2])
+        assert torch.equal(kept["cluster"][n][2], server["cluster"][n][2])
     assert kept["last_picked"].tolist() == [5, 5, -1]
 
 
@@ -224,7 +225,7 @@ def test_ifca_reseeding_splits_a_collapsed_perturb_initialisation() -> None:
 def test_ifca_personalized_model_is_the_clients_cluster_model() -> None:
     data, truth = grouped_data(3, 4)
     module = run_rounds(make_module(IFCA_ARGS, 12), data, 3)
-    weights = module.server_state["cluster.weight"]
+    weights = module.server_state["cluster"]["weight"]
     for client in range(12):
         personal = module.personalize(client).weight.detach()
         chosen = [j for j in range(3) if torch.equal(personal, weights[j])]
@@ -241,15 +242,15 @@ def test_ifca_evaluates_with_trained_clusters_only() -> None:
     teacher = torch.randn(D, C, generator=g)
     x = torch.randn(1, 1, 40, D, generator=g)
     batches = Batch(x, (x @ teacher).argmax(-1), torch.ones(1, 1, 40))
-    server = {"cluster.weight": torch.stack([torch.zeros(C, D), 10 * teacher.t()]),
-              "cluster.bias": torch.zeros(2, C), "round": torch.tensor(3), "last_picked": torch.tensor([2, -1])}
+    server = {"cluster": {"weight": torch.stack([torch.zeros(C, D), 10 * teacher.t()]), "bias": torch.zeros(2, C)},
+              "round": torch.tensor(3), "last_picked": torch.tensor([2, -1])}
     client = one_client(40, is_new=True)
     params = {n: p.detach() for n, p in model.named_parameters()}
     w = algo.personalize(ctx, params, batches, {}, server, client)
-    assert torch.equal(w["weight"], server["cluster.weight"][0])
+    assert torch.equal(w["weight"], server["cluster"]["weight"][0])
     server["last_picked"] = torch.tensor([-1, -1])  # before any training every cluster is eligible
     w = algo.personalize(ctx, params, batches, {}, server, client)
-    assert torch.equal(w["weight"], server["cluster.weight"][1])
+    assert torch.equal(w["weight"], server["cluster"]["weight"][1])
 
 
 def test_cfl_splits_two_opposite_label_maps_into_the_right_two_clusters() -> None:
@@ -303,11 +304,11 @@ def test_clustered_loop_and_vmap_give_the_same_models(args: dict) -> None:
     runs = [run_rounds(make_module(args, 4, b), data, 3) for b in ("loop", "vmap")]
     for a, b in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    for key, value in runs[0].server_state.items():
+    for key, value in flatten_state(runs[0].server_state).items():
         if value.is_floating_point():
-            torch.testing.assert_close(value, runs[1].server_state[key], atol=1e-6, rtol=0)
+            torch.testing.assert_close(value, flatten_state(runs[1].server_state)[key], atol=1e-6, rtol=0)
         else:
-            assert torch.equal(value, runs[1].server_state[key]), key
+            assert torch.equal(value, flatten_state(runs[1].server_state)[key]), key
 
 
 def _trainer(max_steps: int, **kwargs: object) -> L.Trainer:
@@ -340,7 +341,7 @@ def test_held_out_clients_logged_evaluation_equals_personalize_and_uses_a_traine
         assert float(per_client["loss"][i]) == pytest.approx(float(loss), abs=1e-5)
         correct, total = correct + float(acc) * y.numel(), total + y.numel()
         # a trained cluster model, not an initialisation
-        rows = module.server_state["cluster.weight"]
+        rows = module.server_state["cluster"]["weight"]
         match = [j for j in range(rows.shape[0]) if torch.equal(personal.weight.detach(), rows[j])]
         assert match, i
         if "last_picked" in module.server_state:  # IFCA: the cluster has been trained
@@ -367,10 +368,10 @@ def test_ifca_resume_from_checkpoint_is_bit_exact(tmp_path) -> None:
     resumed = fit(6, ckpt_path=str(tmp_path / "epoch=1-step=3.ckpt"))
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
-    for key, value in straight.client_states.tensors.items():
-        assert torch.equal(value, resumed.client_states.tensors[key]), key
-    for key, value in straight.server_state.items():
-        assert torch.equal(value, resumed.server_state[key]), key
+    for key, value in flatten_state(straight.client_states.tensors).items():
+        assert torch.equal(value, flatten_state(resumed.client_states.tensors)[key]), key
+    for key, value in flatten_state(straight.server_state).items():
+        assert torch.equal(value, flatten_state(resumed.server_state)[key]), key
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.metrics import PersonalizedMetrics
 from lightning_fedmeta.sampling import draw_batch_indices, sample_clients
+from lightning_fedmeta.state import flatten_state
 
 
 def _linear(seed: int = 0) -> nn.Linear:
@@ -39,10 +40,10 @@ def test_loop_and_vmap_client_paths_give_the_same_global_model(name: str) -> Non
     loop, vmapped = results["loop"], results["vmap"]
     for k, v in loop.model.state_dict().items():
         torch.testing.assert_close(vmapped.model.state_dict()[k], v, atol=1e-6, rtol=0)
-    for k, v in loop.client_states.tensors.items():
-        torch.testing.assert_close(vmapped.client_states.tensors[k], v, atol=1e-6, rtol=0)
-    for k, v in loop.server_state.items():
-        torch.testing.assert_close(vmapped.server_state[k], v, atol=1e-6, rtol=0)
+    for k, v in flatten_state(loop.client_states.tensors).items():
+        torch.testing.assert_close(flatten_state(vmapped.client_states.tensors)[k], v, atol=1e-6, rtol=0)
+    for k, v in flatten_state(loop.server_state).items():
+        torch.testing.assert_close(flatten_state(vmapped.server_state)[k], v, atol=1e-6, rtol=0)
     assert not torch.equal(loop.model.weight, _linear().weight)
 
 
@@ -118,7 +119,7 @@ class StatePerRound(L.Callback):
         self.states: list[dict[str, Tensor]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
-        self.states.append({k: v.clone() for k, v in pl_module.client_states.tensors.items()})
+        self.states.append({k: v.clone() for k, v in flatten_state(pl_module.client_states.tensors).items()})
 
 
 def test_partial_participation_leaves_non_sampled_client_state_untouched() -> None:

@@ -16,6 +16,7 @@ from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_suppo
 from lightning_fedmeta.algorithms.perfedmaml import PerFedMAML
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.state import flatten_state
 
 
 class _Clients:
@@ -67,7 +68,7 @@ def _client_inputs(seen: float) -> tuple[ClientContext, dict[str, Tensor], Batch
     g = torch.Generator().manual_seed(3)
     batches = Batch(torch.randn(2, 1, 8, 5, generator=g), torch.randint(0, 3, (2, 1, 8), generator=g),
                     torch.ones(2, 1, 8))
-    state = {f"personal.{k}": v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}
+    state = {"personal": {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}}
     return ctx, w, batches, state, one_client(weight=0.25, seen=bool(seen))
 
 
@@ -86,17 +87,17 @@ def test_lambda_zero_is_exactly_the_per_client_maml_update() -> None:
     ctx, w, batches, state, rec = _client_inputs(seen=1.0)
     algo = PerFedMAML(alpha=0.1, beta=0.2, lam=0.0, local_steps=2, batch_size=4)
     out = algo.client_update(ctx, w, batches, state, {}, rec)
-    theta = {k: state[f"personal.{k}"] for k in w}
+    theta = {k: state["personal"][k] for k in w}
     for t in range(2):
         g = maml_meta_gradient(ctx, theta, *split_support_query(batches.at(t, 0)), 0.1, False)[0]
         theta = {k: theta[k] - 0.2 * g[k] for k in theta}
     for k in w:
-        assert torch.equal(out.state[f"personal.{k}"], theta[k])
+        assert torch.equal(out.state["personal"][k], theta[k])
     # λ = 0: the server mean does not enter the client's update
     moved = {k: v + 1.0 for k, v in w.items()}
     again = algo.client_update(ctx, moved, batches, state, {}, rec)
     for k in w:
-        assert torch.equal(again.state[f"personal.{k}"], theta[k])
+        assert torch.equal(again.state["personal"][k], theta[k])
 
 
 def test_coupling_pulls_theta_towards_the_server_mean() -> None:
@@ -104,10 +105,10 @@ def test_coupling_pulls_theta_towards_the_server_mean() -> None:
     out = PerFedMAML(alpha=0.1, beta=0.2, lam=0.7, local_steps=2, batch_size=4).client_update(
         ctx, w, batches, state, {}, rec
     )
-    expected = _maml_steps(ctx, {k: state[f"personal.{k}"] for k in w}, w, batches, 0.1, 0.2, 0.7)
+    expected = _maml_steps(ctx, {k: state["personal"][k] for k in w}, w, batches, 0.1, 0.2, 0.7)
     for k in w:
-        torch.testing.assert_close(out.state[f"personal.{k}"], expected[k], atol=1e-7, rtol=0)
-    assert set(out.state) == {f"personal.{k}" for k in w}  # seen and p come from the client's record
+        torch.testing.assert_close(out.state["personal"][k], expected[k], atol=1e-7, rtol=0)
+    assert set(out.state) == {"personal"} and set(out.state["personal"]) == set(w)  # seen, p: the client's record
 
 
 def test_a_client_that_never_trained_starts_from_the_server_mean() -> None:
@@ -116,8 +117,8 @@ def test_a_client_that_never_trained_starts_from_the_server_mean() -> None:
     out = algo.client_update(ctx, w, batches, state, {}, rec)
     expected = _maml_steps(ctx, w, w, batches, 0.1, 0.2, 0.7)
     for k in w:
-        torch.testing.assert_close(out.state[f"personal.{k}"], expected[k], atol=1e-7, rtol=0)
-        torch.testing.assert_close(out.extras[f"sum.{k}"], 0.25 * expected[k], atol=1e-7, rtol=0)
+        torch.testing.assert_close(out.state["personal"][k], expected[k], atol=1e-7, rtol=0)
+        torch.testing.assert_close(out.extras["sum"][k], 0.25 * expected[k], atol=1e-7, rtol=0)
         assert torch.equal(algo.personal_start(w, state, {}, rec)[k], w[k])
     assert float(out.extras["total"]) == 0.25
 
@@ -140,7 +141,7 @@ def test_global_model_is_the_sample_weighted_mean_of_the_trained_clients() -> No
     counts = module.data.train_counts.to(torch.float32) * seen
     weights = counts / counts.sum()
     for name, p in module.model.named_parameters():
-        mean = torch.tensordot(weights, store[f"personal.{name}"], dims=1)
+        mean = torch.tensordot(weights, store["personal"][name], dims=1)
         torch.testing.assert_close(p.detach(), mean, atol=1e-6, rtol=0)
 
 
@@ -148,8 +149,8 @@ def test_loop_and_vmap_clients_give_the_same_global_model_and_client_states() ->
     looped = _train("loop")
     batched = _train("vmap")
     torch.testing.assert_close(_flat(looped.model), _flat(batched.model), atol=1e-6, rtol=0)
-    for k, v in looped.client_states.tensors.items():
-        torch.testing.assert_close(v, batched.client_states.tensors[k], atol=1e-6, rtol=0)
+    for k, v in flatten_state(looped.client_states.tensors).items():
+        torch.testing.assert_close(v, flatten_state(batched.client_states.tensors)[k], atol=1e-6, rtol=0)
     assert (_flat(looped.model) - _flat(_initial_model())).abs().max() > 1e-4
 
 
@@ -179,7 +180,7 @@ def test_resume_from_a_checkpoint_is_bit_exact(tmp_path: Path) -> None:
     assert torch.equal(_flat(straight.model), _flat(resumed.model))
     assert torch.equal(straight.seen, resumed.seen)
     assert straight.client_states.keys() == resumed.client_states.keys()
-    for k, v in straight.client_states.tensors.items():
-        assert torch.equal(v, resumed.client_states.tensors[k])
-    for k, v in straight.server_state.items():
-        assert torch.equal(v, resumed.server_state[k])
+    for k, v in flatten_state(straight.client_states.tensors).items():
+        assert torch.equal(v, flatten_state(resumed.client_states.tensors)[k])
+    for k, v in flatten_state(straight.server_state).items():
+        assert torch.equal(v, flatten_state(resumed.server_state)[k])

@@ -16,6 +16,7 @@ from lightning_fedmeta.algorithms.ditto import Ditto
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, tree_sq_norm, tree_sub
 from lightning_fedmeta.sampling import sample_clients
+from lightning_fedmeta.state import flatten_state, map_state
 
 MTL_MEAN = {"name": "mtl_mean", "lam": 0.5, "local_lr": 0.2, "local_steps": 3, "batch_size": 4}
 DITTO = {"name": "ditto", "lam": 0.5, "local_lr": 0.2, "local_steps": 2, "personal_steps": 3, "batch_size": 4}
@@ -29,8 +30,8 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3,
     )
 
 
-def _personal(module: FederatedModule, prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in module.client_states.tensors.items() if k.startswith(prefix)}
+def _personal(module: FederatedModule, key: str) -> dict[str, torch.Tensor]:
+    return dict(module.client_states.tensors[key])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,14 +55,14 @@ def test_mtl_mean_lambda_zero_personal_models_are_independent_local_sgd() -> Non
             expected[c], _ = local_sgd(module.ctx, expected.get(c, w_bar), one, module.algorithm.local_lr)
         sampled_per_round += run_plain_rounds(module, 1, first=r)
         assert torch.equal(sampled, sampled_per_round[r])
-    personal = _personal(module, "personal.")
+    personal = _personal(module, "personal")
     for c, w in expected.items():
         for k in init:
             torch.testing.assert_close(personal[k][c], w[k], rtol=0, atol=1e-6)
     assert 0 < len(expected) < 6, "some clients trained, some did not"
     for c in range(6):
         start = module.algorithm.personal_start(
-            module._global_params(), {f"personal.{k}": personal[k][c] for k in init}, module.server_state,
+            module._global_params(), {"personal": {k: personal[k][c] for k in init}}, module.server_state,
             ClientRecord(*(t[0] for t in module.records(torch.tensor([c])))),
         )
         # evaluated with its w_k once trained; never trained: with w̄
@@ -81,7 +82,7 @@ def test_mtl_mean_global_params_equal_weighted_mean_of_all_personal_models() -> 
     assert torch.equal(module.client_weight, p)
     for r in range(6):
         run_plain_rounds(module, 1, first=r)
-        personal = _personal(module, "personal.")
+        personal = _personal(module, "personal")
         seen = module.seen
         for name, w in module._global_params().items():
             read = torch.where(seen.reshape(-1, *[1] * w.dim()), personal[name].double(), w.double().unsqueeze(0))
@@ -90,7 +91,7 @@ def test_mtl_mean_global_params_equal_weighted_mean_of_all_personal_models() -> 
             torch.testing.assert_close(w.double(), seen_mean, rtol=0, atol=1e-5)
     # partial sampling: personal models really differ, so the identity is not trivial
     trained = module.seen.nonzero().flatten()
-    w = _personal(module, "personal.")["weight"][trained]
+    w = _personal(module, "personal")["weight"][trained]
     assert (w - w[0]).abs().max() > 1e-3
 
 
@@ -100,7 +101,7 @@ def test_mtl_mean_lambda_pulls_personal_models_together() -> None:
         module = _module({**MTL_MEAN, "lam": lam, "local_lr": 0.1, "local_steps": 2}, "vmap", clients_per_round=6)
         module.attach_data(tiny_data())
         run_plain_rounds(module, 3)
-        w = _personal(module, "personal.")["weight"]
+        w = _personal(module, "personal")["weight"]
         spread[lam] = float((w - w.mean(0)).pow(2).sum())
     assert spread[2.0] < 0.5 * spread[0.0]
 
@@ -126,16 +127,16 @@ def _ctx_and_batches(seed: int = 0) -> tuple[ClientContext, dict[str, torch.Tens
 def test_ditto_lambda_zero_personal_model_is_local_sgd_independent_of_global() -> None:
     ctx, params, batches, _ = _ctx_and_batches()
     alg = Ditto(lam=0.0, local_steps=2, personal_steps=3, local_lr=0.3)
-    state = {k: v + 0.5 for k, v in alg.init_client_state(params).items()}
+    state = map_state(lambda v: v + 0.5, alg.init_client_state(params))
     other_global = {k: v - 1.0 for k, v in params.items()}
     out_a = alg.client_update(ctx, params, batches, state, {}, one_client(seen=True))
     out_b = alg.client_update(ctx, other_global, batches, state, {}, one_client(seen=True))
-    v0 = {k: state[f"personal.{k}"] for k in params}
+    v0 = {k: state["personal"][k] for k in params}
     tail = Batch(batches.x[2:5], batches.y[2:5], batches.mask[2:5])
     expected, _ = local_sgd(ctx, v0, tail, 0.3)
     for k in params:
-        assert torch.equal(out_a.state[f"personal.{k}"], out_b.state[f"personal.{k}"])
-        torch.testing.assert_close(out_a.state[f"personal.{k}"], expected[k], rtol=0, atol=1e-7)
+        assert torch.equal(out_a.state["personal"][k], out_b.state["personal"][k])
+        torch.testing.assert_close(out_a.state["personal"][k], expected[k], rtol=0, atol=1e-7)
     # and the global part is plain FedAvg: Δ = τ-step local SGD from w minus w
     head = Batch(batches.x[:2], batches.y[:2], batches.mask[:2])
     w_local, _ = local_sgd(ctx, params, head, 0.3)
@@ -151,11 +152,11 @@ def test_ditto_large_lambda_gives_one_shared_model() -> None:
         state = alg.init_client_state(params)
         va = alg.client_update(ctx, params, batches_a, state, {}, one_client(seen=True)).state
         vb = alg.client_update(ctx, params, batches_b, state, {}, one_client(seen=True)).state
-        far = {k: v + 1.0 for k, v in state.items()}  # a personal model far from w is pulled back to w
+        far = map_state(lambda v: v + 1.0, state)  # a personal model far from w is pulled back to w
         vf = alg.client_update(ctx, params, batches_a, far, {}, one_client(seen=True)).state
         distance[lam] = (
-            float(tree_sq_norm(tree_sub(va, vb)).sqrt()),
-            float(tree_sq_norm({k: vf[f"personal.{k}"] - params[k] for k in params}).sqrt()),
+            float(tree_sq_norm(tree_sub(va["personal"], vb["personal"])).sqrt()),
+            float(tree_sq_norm({k: vf["personal"][k] - params[k] for k in params}).sqrt()),
         )
     assert distance[0.0][0] > 0.1 and distance[0.0][1] > 1.0
     assert distance[2000.0][0] < 1e-2 and distance[2000.0][1] < 1e-2
@@ -164,9 +165,9 @@ def test_ditto_large_lambda_gives_one_shared_model() -> None:
 def test_ditto_is_evaluated_with_its_personal_model_once_it_has_trained() -> None:
     _, params, _, _ = _ctx_and_batches()
     alg = Ditto()
-    state = {k: v * 3.0 for k, v in alg.init_client_state(params).items()}
+    state = map_state(lambda v: v * 3.0, alg.init_client_state(params))
     start = alg.personal_start(params, state, {}, one_client(seen=True))
-    assert all(torch.equal(start[k], state[f"personal.{k}"]) for k in params)
+    assert all(torch.equal(start[k], state["personal"][k]) for k in params)
 
 
 def test_ditto_client_that_never_trained_starts_from_and_is_scored_with_the_global_model() -> None:
@@ -174,14 +175,14 @@ def test_ditto_client_that_never_trained_starts_from_and_is_scored_with_the_glob
     evaluation of a 10-of-50 run): until it trains, a client's v_k is the current global model."""
     ctx, params, batches, _ = _ctx_and_batches()
     alg = Ditto(lam=0.5, local_steps=2, personal_steps=3, local_lr=0.3)
-    stale = {k: v * 3.0 - 1.0 for k, v in alg.init_client_state(params).items()}  # an initialisation, not w
+    stale = map_state(lambda v: v * 3.0 - 1.0, alg.init_client_state(params))  # an initialisation, not w
     start = alg.personal_start(params, stale, {}, one_client(seen=False))
     assert all(torch.equal(start[k], params[k]) for k in params)
     fresh = alg.client_update(ctx, params, batches, stale, {}, one_client(seen=False)).state
     from_global = alg.client_update(ctx, params, batches, alg.init_client_state(params), {},
                                     one_client(seen=True)).state
-    for k in fresh:
-        assert torch.equal(fresh[k], from_global[k])
+    for k, v in flatten_state(fresh).items():
+        assert torch.equal(v, flatten_state(from_global)[k])
 
 
 def test_ditto_rejects_bad_hyperparameters() -> None:
@@ -204,8 +205,8 @@ def test_loop_and_vmap_clients_agree(algorithm: dict) -> None:
         runs[mode] = module
     for k, v in runs["loop"].model.state_dict().items():
         torch.testing.assert_close(runs["vmap"].model.state_dict()[k], v, rtol=0, atol=1e-6)
-    for k, v in runs["loop"].client_states.tensors.items():
-        torch.testing.assert_close(runs["vmap"].client_states.tensors[k], v, rtol=0, atol=1e-6)
+    for k, v in flatten_state(runs["loop"].client_states.tensors).items():
+        torch.testing.assert_close(flatten_state(runs["vmap"].client_states.tensors)[k], v, rtol=0, atol=1e-6)
 
 
 def test_ditto_resume_from_checkpoint_is_bit_exact(tmp_path: Path) -> None:
@@ -222,8 +223,8 @@ def test_ditto_resume_from_checkpoint_is_bit_exact(tmp_path: Path) -> None:
 
     for k, v in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[k], v), k
-    assert set(straight.client_states.tensors) == {"personal.weight", "personal.bias"}
-    for k, v in straight.client_states.tensors.items():
-        assert torch.equal(resumed.client_states.tensors[k], v), k
-    key = "personal.weight"
-    assert not torch.equal(first.client_states.tensors[key], straight.client_states.tensors[key])
+    assert set(straight.client_states.keys()) == {"personal/weight", "personal/bias"}
+    for k, v in flatten_state(straight.client_states.tensors).items():
+        assert torch.equal(flatten_state(resumed.client_states.tensors)[k], v), k
+    key = "personal/weight"
+    assert not torch.equal(first.client_states.state_dict()[key], straight.client_states.state_dict()[key])

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import pytest
 import torch
 from conftest import make_trainer, tiny_data, tiny_datamodule
@@ -23,6 +25,7 @@ from lightning_fedmeta.algorithms.mtl_mean import MTLMean
 from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
 from lightning_fedmeta.algorithms.regularized import RegularizedMTL
 from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.state import flatten_state, map_state, unflatten_state
 
 K = 6
 HELD_OUT = [1, 4]
@@ -64,7 +67,7 @@ def _setup(alg: RegularizedMTL):
     alg.bind_clients(records, data.label_counts)
     states = alg.init_client_states(init, records)
     stored = {k: v + torch.randn(K, *v.shape, dtype=v.dtype) for k, v in init.items()}
-    states.update({f"personal.{k}": v.clone() for k, v in stored.items()})
+    states["personal"] = {k: v.clone() for k, v in stored.items()}
     seen = records.seen.double()
     w_bar = {k: torch.tensordot(p * seen, v, dims=1) / (p * seen).sum() for k, v in stored.items()}
     server_state = alg.init_server_state(init)
@@ -72,8 +75,8 @@ def _setup(alg: RegularizedMTL):
         server_state["total"] = (p * seen).sum().to(server_state["total"].dtype)
     if "seen" in server_state:
         server_state["seen"] = seen.to(server_state["seen"].dtype)
-    if any(k.startswith("models.") for k in server_state):  # the server's copy of the stored personal models
-        server_state.update({f"models.{k}": v.clone() for k, v in stored.items()})
+    if "models" in server_state:  # the server's copy of the stored personal models
+        server_state["models"] = {k: v.clone() for k, v in stored.items()}
     # the models Φ is evaluated at: an unseen client's w_k is w̄
     effective = {
         k: torch.where(records.seen.reshape(-1, *[1] * (v.dim() - 1)), v, w_bar[k].unsqueeze(0))
@@ -116,11 +119,11 @@ def _check_steps(alg: RegularizedMTL, make_phi) -> None:
     grads = torch.autograd.grad(phi(leaves), list(leaves.values()))
     grads = dict(zip(leaves, grads, strict=True))
     for k in TRAINING:
-        state = {n: v[k] for n, v in states.items()}
+        state = map_state(itemgetter(k), states)
         out = alg.client_update(ctx, w_bar, _full_batch(data, k), state, server_state, _one(records, k))
         for n in effective:
             expected = effective[n][k] - LR / p[k] * grads[n][k]
-            torch.testing.assert_close(out.state[f"personal.{n}"], expected, rtol=0, atol=1e-10, msg=f"client {k}, {n}")
+            torch.testing.assert_close(out.state["personal"][n], expected, rtol=0, atol=1e-10, msg=f"client {k}, {n}")
             torch.testing.assert_close(out.delta[n], expected - effective[n][k], rtol=0, atol=1e-10)
 
 
@@ -182,11 +185,12 @@ def test_aggregate_keeps_the_mean_over_training_clients_with_first_time_clients(
     sampled = [2, 3]  # client 2 trains for the first time, client 3 again
     outs = []
     for k in sampled:
-        state = {n: v[k] for n, v in states.items()}
+        state = map_state(itemgetter(k), states)
         full = Batch(*(t.expand(2, *t.shape[1:]) for t in _full_batch(data, k)))
         outs.append(alg.client_update(ctx, w_bar, full, state, server_state, _one(records, k)))
     stacked = type(outs[0])(*(
-        {n: torch.stack([o[i][n] for o in outs]) for n in outs[0][i]} for i in range(4)
+        unflatten_state({n: torch.stack([flatten_state(o[i])[n] for o in outs]) for n in flatten_state(outs[0][i])})
+        for i in range(4)
     ))
     sub = ClientRecord(*(t[sampled] for t in records))
     weights = sub.weight / sub.weight.sum()
@@ -198,7 +202,7 @@ def test_aggregate_keeps_the_mean_over_training_clients_with_first_time_clients(
     after = {n: v.clone() for n, v in effective.items()}
     for i, k in enumerate(sampled):
         for n in after:
-            after[n][k] = stacked.state[f"personal.{n}"][i]
+            after[n][k] = stacked.state["personal"][n][i]
     p = records.weight
     for n in new_bar:
         seen_mean = torch.tensordot(p * seen.double(), after[n], dims=1) / (p * seen.double()).sum()
@@ -219,7 +223,7 @@ def _fit(algorithm: dict, rounds: int, clients_per_round: int, eval_every: int =
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
-    return {k[len("personal."):]: v for k, v in module.client_states.tensors.items() if k.startswith("personal.")}
+    return dict(module.client_states.tensors["personal"])
 
 
 MEAN = {"name": "mtl_mean", "lam": 0.5, "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
@@ -300,19 +304,19 @@ def test_first_round_of_a_client_starts_from_the_mean_not_its_stored_row(algorit
     clients = torch.tensor(unseen)
     batches = module._batches("train", 1, clients, module.algorithm.round_plan())
     states = module.client_states.gather(clients)
-    garbage = {k: v + 100.0 for k, v in states.items()}
+    garbage = map_state(lambda v: v + 100.0, states)
     records = module.records(clients)
     params = module._global_params()
     for i in range(len(unseen)):
         one = Batch(batches.x[i], batches.y[i], batches.mask[i])
         record = ClientRecord(*(t[i] for t in records))
-        a = module.algorithm.client_update(module.ctx, params, one, {k: v[i] for k, v in states.items()},
+        a = module.algorithm.client_update(module.ctx, params, one, map_state(itemgetter(i), states),
                                            module.server_state, record)
-        b = module.algorithm.client_update(module.ctx, params, one, {k: v[i] for k, v in garbage.items()},
+        b = module.algorithm.client_update(module.ctx, params, one, map_state(itemgetter(i), garbage),
                                            module.server_state, record)
         for n in params:
-            assert torch.equal(a.state[f"personal.{n}"], b.state[f"personal.{n}"])
-            torch.testing.assert_close(a.delta[n], a.state[f"personal.{n}"] - params[n], rtol=0, atol=1e-7)
+            assert torch.equal(a.state["personal"][n], b.state["personal"][n])
+            torch.testing.assert_close(a.delta[n], a.state["personal"][n] - params[n], rtol=0, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------------------------

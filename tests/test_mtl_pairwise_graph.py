@@ -18,6 +18,7 @@ from lightning_fedmeta.algorithms.mtl_graph import MTLGraph, adjacency_from_edge
 from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
 from lightning_fedmeta.algorithms.regularized import clipped_cosine_similarity, similarity_centre
 from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.state import flatten_state, map_state
 
 CHAIN = [[i, i + 1] for i in range(5)]
 PAIRWISE = {"name": "mtl_pairwise", "lam": 0.3, "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
@@ -33,7 +34,7 @@ def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3)
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:
-    return {k[len("personal."):]: v for k, v in module.client_states.tensors.items() if k.startswith("personal.")}
+    return dict(module.client_states.tensors["personal"])
 
 
 def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
@@ -53,10 +54,10 @@ def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
     states = alg.init_client_states(params, records)
     server_state = alg.init_server_state(params)
     models = {k: v + torch.randn(4, *v.shape) for k, v in params.items()}
-    server_state.update({f"models.{k}": v for k, v in models.items()})
+    server_state["models"] = dict(models)
     server_state["seen"] = torch.ones(4)
-    state = {k: v[client] for k, v in states.items()}
-    state.update({f"personal.{k}": models[k][client] for k in params})
+    state = map_state(lambda v: v[client], states)
+    state["personal"] = {k: models[k][client] for k in params}
     x, y = tiny_data().client_train(client)
     batches = Batch(x[None, None, :4], y[None, None, :4], torch.ones(1, 1, 4))
     record = ClientRecord(*(t[client] for t in records))
@@ -74,7 +75,7 @@ def test_pairwise_local_step_equals_explicit_pairwise_sum_gradient() -> None:
     w0 = {k: models[k][client] for k in params}
     g = grad(objective)(w0)
     for k in params:
-        torch.testing.assert_close(out.state[f"personal.{k}"], w0[k] - lr * g[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(out.state["personal"][k], w0[k] - lr * g[k], rtol=0, atol=1e-6)
         torch.testing.assert_close(out.delta[k], -lr * g[k], rtol=0, atol=1e-6)
 
 
@@ -115,7 +116,7 @@ def test_inferred_similarity_is_clipped_cosine_of_latest_updates() -> None:
     torch.testing.assert_close(module.server_state["similarity"], clipped_cosine_similarity(updates))
     # the server's copy of the personal models is the client store
     for k in init:
-        assert torch.equal(module.server_state[f"models.{k}"], personal[k])
+        assert torch.equal(module.server_state["models"][k], personal[k])
 
 
 @pytest.mark.parametrize(
@@ -132,10 +133,10 @@ def test_loop_and_vmap_clients_agree(algorithm: dict) -> None:
         runs[mode] = module
     for k, v in runs["loop"].model.state_dict().items():
         torch.testing.assert_close(runs["vmap"].model.state_dict()[k], v, rtol=0, atol=1e-6)
-    for k, v in runs["loop"].client_states.tensors.items():
-        torch.testing.assert_close(runs["vmap"].client_states.tensors[k], v, rtol=0, atol=1e-6)
-    for k, v in runs["loop"].server_state.items():
-        torch.testing.assert_close(runs["vmap"].server_state[k], v, rtol=0, atol=1e-6)
+    for k, v in flatten_state(runs["loop"].client_states.tensors).items():
+        torch.testing.assert_close(flatten_state(runs["vmap"].client_states.tensors)[k], v, rtol=0, atol=1e-6)
+    for k, v in flatten_state(runs["loop"].server_state).items():
+        torch.testing.assert_close(flatten_state(runs["vmap"].server_state)[k], v, rtol=0, atol=1e-6)
 
 
 def _chain_roughness(personal: dict[str, torch.Tensor]) -> float:

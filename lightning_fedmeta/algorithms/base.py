@@ -35,10 +35,10 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
+from lightning_fedmeta.state import map_state
 
 __all__ = [
     "COMMON_ARGS",
-    "PERSONAL",
     "Algorithm",
     "BatchPlan",
     "ClientOutput",
@@ -47,8 +47,6 @@ __all__ = [
     "check_positive",
     "check_non_negative",
     "check_range",
-    "pack_personal",
-    "personal_model",
     "started_from",
     "weighted_mean_metrics",
 ]
@@ -273,7 +271,7 @@ class Algorithm(ABC):
         """
         one = self.init_client_state(params)
         k = int(clients.index.numel())
-        return {name: t.unsqueeze(0).repeat(k, *([1] * t.dim())) for name, t in one.items()}
+        return map_state(lambda t: t.unsqueeze(0).repeat(k, *([1] * t.dim())), one)
 
     # ------------------------------------------------------------------------------------------
     # client and server
@@ -421,17 +419,3 @@ def started_from(
     """
     return {k: torch.where(client.seen, v, fallback[k]) for k, v in personal.items()}
 
-
-#: client-state prefix of a personal model (one full model per client: Ditto's v_k, the regularised
-#: MTL family's w_k, Per-FedMAML's θ_i): the entry ``personal.<parameter name>`` holds that parameter
-PERSONAL = "personal."
-
-
-def personal_model(state: dict[str, Tensor], params: Params) -> Params:
-    """The personal model stored in a client's state, ``{name: state["personal." + name]}`` (names from ``params``)."""
-    return {k: state[PERSONAL + k] for k in params}
-
-
-def pack_personal(w: Params) -> dict[str, Tensor]:
-    """A personal model as client-state entries ``{"personal." + name: w[name]}``."""
-    return {PERSONAL + k: v for k, v in w.items()}

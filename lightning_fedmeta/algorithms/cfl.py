@@ -32,6 +32,8 @@ optional SGD steps.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -107,11 +109,12 @@ class CFL(ClusteredAlgorithm):
                                "(FederatedModule.attach_data calls it)")
         size = sum(v.numel() for v in params.values())
         dtype = next(iter(params.values())).dtype
-        state = {}
+        clusters = {}
         for name, p in params.items():
             slots = torch.zeros((self.max_clusters, *p.shape), dtype=p.dtype, device=p.device)
             slots[0] = p.detach()
-            state[CLUSTER + name] = slots
+            clusters[name] = slots
+        state: dict[str, Any] = {CLUSTER: clusters}
         state["num_clusters"] = torch.tensor(1, dtype=torch.long)
         state["membership"] = torch.zeros(k, dtype=torch.long)
         state["last_update"] = torch.zeros((k, size), dtype=dtype)
@@ -142,7 +145,7 @@ class CFL(ClusteredAlgorithm):
         return ClientOutput(
             delta=tree_sub(w, params),
             state={"cluster": c},
-            extras={"assign": pick, **{f"update.{n}": v for n, v in update.items()}},
+            extras={"assign": pick, "update": dict(update)},
             metrics={"loss": loss},
         )
 
@@ -155,7 +158,7 @@ class CFL(ClusteredAlgorithm):
         clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
         assign = outputs.extras["assign"]
-        updates = {n: outputs.extras[f"update.{n}"] for n in params}
+        updates = {n: outputs.extras["update"][n] for n in params}
         clusters = self.clusters(server_state)
         starts = tree_weighted_sum(clusters, assign)
         models = {n: starts[n] + updates[n] for n in params}
@@ -194,7 +197,7 @@ class CFL(ClusteredAlgorithm):
             if num_clusters >= self.max_clusters:
                 break
 
-        new_state = {CLUSTER + n: v for n, v in new_clusters.items()}
+        new_state: dict[str, Any] = {CLUSTER: new_clusters}
         new_state.update(
             num_clusters=torch.tensor(num_clusters, dtype=torch.long),
             membership=membership,

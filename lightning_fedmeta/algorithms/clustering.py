@@ -43,8 +43,8 @@ __all__ = [
     "adjusted_rand_index",
 ]
 
-#: server-state prefix of the stacked cluster models: ``cluster.<parameter name>`` is ``[slots, ...]``
-CLUSTER = "cluster."
+#: server-state key of the stacked cluster models: ``server_state["cluster"][parameter name]`` is ``[slots, ...]``
+CLUSTER = "cluster"
 
 
 def one_hot(index: Tensor, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -72,7 +72,7 @@ def lowest_loss(losses: Tensor, eligible: Tensor) -> Tensor:
 
 
 class ClusteredAlgorithm(Algorithm):
-    """Base of IFCA and CFL: cluster models stacked in the server state (``cluster.<name> [slots, ...]``),
+    """Base of IFCA and CFL: cluster models stacked in the server state (``{"cluster": {name: [slots, ...]}}``),
     updated by the algorithm itself (``server_optimizer_applies = False``).
 
     Evaluation (:meth:`personalize`) draws :meth:`eval_plan`'s batches from a client's training data,
@@ -85,7 +85,7 @@ class ClusteredAlgorithm(Algorithm):
     @staticmethod
     def clusters(server_state: dict[str, Tensor]) -> Params:
         """The stacked cluster models ``{name: [slots, ...]}`` of the server state."""
-        return {k[len(CLUSTER):]: v for k, v in server_state.items() if k.startswith(CLUSTER)}
+        return dict(server_state[CLUSTER])
 
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """``cluster``: the cluster the client trained in its latest round (−1 before its first round)."""

@@ -24,8 +24,6 @@ from lightning_fedmeta.algorithms.base import (
     ClientOutput,
     ClientRecord,
     check_non_negative,
-    pack_personal,
-    personal_model,
     started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
@@ -49,8 +47,8 @@ class Ditto(Algorithm):
             :class:`~lightning_fedmeta.algorithms.base.Algorithm` (fine-tuning starts from v_k).
 
     Each round a client draws ``τ + s`` mini-batches: the first τ for the global model, the last s
-    for its personal model. Client state: ``personal.<name>``, the personal model (read only once the client
-    has trained: before that, its personal model is the current global one).
+    for its personal model. Client state: ``{"personal": {name: tensor}}``, the personal model (read only
+    once the client has trained: before that, its personal model is the current global one).
     """
 
     name = "ditto"
@@ -84,7 +82,7 @@ class Ditto(Algorithm):
 
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """The personal model ``v_k``, initially a copy of the global parameters."""
-        return pack_personal({k: v.detach().clone() for k, v in params.items()})
+        return {"personal": {k: v.detach().clone() for k, v in params.items()}}
 
     def client_update(
         self,
@@ -96,13 +94,13 @@ class Ditto(Algorithm):
         client: ClientRecord,
     ) -> ClientOutput:
         w_local, loss = prox_sgd(ctx, params, batches, self.local_lr, 0.0, params, 0, self.local_steps)
-        v = started_from(client, personal_model(state, params), params)
+        v = started_from(client, state["personal"], params)
         v_new, personal_loss = prox_sgd(
             ctx, v, batches, self.personal_lr, self.lam, params, self.local_steps, self.personal_steps
         )
         return ClientOutput(
             delta=tree_sub(w_local, params),
-            state=pack_personal(v_new),
+            state={"personal": v_new},
             extras={},
             metrics={"loss": loss, "personal_loss": personal_loss},
         )
@@ -111,4 +109,4 @@ class Ditto(Algorithm):
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> Params:
         """Client ``k`` is evaluated with its personal model ``v_k`` (the global model until it has trained)."""
-        return started_from(client, personal_model(state, params), params)
+        return started_from(client, state["personal"], params)

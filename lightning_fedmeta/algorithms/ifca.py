@@ -29,7 +29,7 @@ the longest idle first), so groups that collapsed into one cluster, leaving anot
 split again.
 
 All of it is deterministic: k-means runs on the CPU in float64 from ``init_seed`` on tensors every
-process holds identically, and the server state (``cluster.<param> [k, ...]``, ``round []``,
+process holds identically, and the server state (``cluster`` ``{param: [k, ...]}``, ``round []``,
 ``last_picked [k]``: the last round a cluster received clients or a model, −1 never) is
 checkpointed, so a resumed run is bit-exact. The client side stays vmappable: the choice is an
 argmin and a one-hot selection, and the first-round start is a ``torch.where`` on ``round``.
@@ -129,7 +129,7 @@ class IFCA(ClusteredAlgorithm):
         stacked = stack_perturbed(params, self.num_clusters, noise, self.init_seed)
         device = next(iter(params.values())).device
         return {
-            **{CLUSTER + name: v for name, v in stacked.items()},
+            CLUSTER: dict(stacked),
             "round": torch.tensor(0, dtype=torch.long, device=device),
             "last_picked": torch.full((self.num_clusters,), -1, dtype=torch.long, device=device),
         }
@@ -158,7 +158,7 @@ class IFCA(ClusteredAlgorithm):
         return ClientOutput(
             delta=tree_sub(w, params),
             state={"cluster": choice.to(torch.long)},
-            extras={"assign": pick, **{f"model.{name}": v for name, v in w.items()}},
+            extras={"assign": pick, "model": dict(w)},
             metrics={"loss": loss, "cluster_loss": losses.min()},
         )
 
@@ -170,7 +170,7 @@ class IFCA(ClusteredAlgorithm):
         server_state: dict[str, Tensor],
         clients: ClientRecord,
     ) -> tuple[Params, dict[str, Tensor]]:
-        models = {name: outputs.extras[f"model.{name}"] for name in params}
+        models = {name: outputs.extras["model"][name] for name in params}
         assign = outputs.extras["assign"]
         round_idx = int(server_state["round"])
         if self.init == "kmeans++" and round_idx == 0:
@@ -187,7 +187,7 @@ class IFCA(ClusteredAlgorithm):
                                             round_idx)
         delta = tree_weighted_sum(outputs.delta, weights)  # global model = Σ_i p_i w_i
         return delta, {
-            **{CLUSTER + name: v for name, v in new.items()},
+            CLUSTER: dict(new),
             "round": torch.full_like(server_state["round"], round_idx + 1),
             "last_picked": last_picked,
         }

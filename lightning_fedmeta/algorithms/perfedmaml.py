@@ -25,6 +25,8 @@ steps at rate α from its own θ_i (from θ̄ if it never trained).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -34,8 +36,6 @@ from lightning_fedmeta.algorithms.base import (
     ClientOutput,
     ClientRecord,
     check_non_negative,
-    pack_personal,
-    personal_model,
     started_from,
 )
 from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
@@ -43,7 +43,7 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["PerFedMAML"]
 
-_SUM = "sum."
+_SUM = "sum"
 
 
 class PerFedMAML(Algorithm):
@@ -105,11 +105,11 @@ class PerFedMAML(Algorithm):
     # -- state ---------------------------------------------------------------------------------
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """θ_i, read only once the client has trained (``client.seen``); a copy of the global model."""
-        return pack_personal({n: v.detach().clone() for n, v in params.items()})
+        return {"personal": {n: v.detach().clone() for n, v in params.items()}}
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """S = Σ_{i seen} p_i θ_i and P = Σ_{i seen} p_i, both zero before the first round."""
-        state = {_SUM + n: torch.zeros_like(v) for n, v in params.items()}
+        state: dict[str, Any] = {_SUM: {n: torch.zeros_like(v) for n, v in params.items()}}
         ref = next(iter(params.values()))
         state["total"] = torch.zeros((), dtype=ref.dtype, device=ref.device)
         return state
@@ -118,7 +118,7 @@ class PerFedMAML(Algorithm):
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> Params:
         """θ_i for a client that has trained, θ̄ (the global model) otherwise."""
-        return started_from(client, personal_model(state, params), params)
+        return started_from(client, state["personal"], params)
 
     # -- client and server ---------------------------------------------------------------------
     def client_update(
@@ -142,9 +142,9 @@ class PerFedMAML(Algorithm):
         ref = next(iter(theta.values()))
         seen, p = client.seen.to(ref.dtype), client.weight.to(ref.dtype)
         # change of S: p_i (θ_new − θ_old) for a returning client, p_i θ_new for a first-time one
-        extras = {_SUM + k: p * (theta[k] - seen * theta_old[k]) for k in theta}
+        extras: dict[str, Any] = {_SUM: {k: p * (theta[k] - seen * theta_old[k]) for k in theta}}
         extras["total"] = p * (1.0 - seen)
-        new_state = pack_personal(theta)
+        new_state = {"personal": theta}
         metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}
         return ClientOutput(tree_sub(theta, params), new_state, extras, metrics)
 
@@ -161,7 +161,10 @@ class PerFedMAML(Algorithm):
         The module's ``weights`` (normalised over the sampled clients) are not used: θ̄ weighs
         each client by its global p_i (``client.weight``).
         """
-        new_state = {k: v + outputs.extras[k].sum(0) for k, v in server_state.items()}
+        new_state = {
+            _SUM: {k: v + outputs.extras[_SUM][k].sum(0) for k, v in server_state[_SUM].items()},
+            "total": server_state["total"] + outputs.extras["total"].sum(0),
+        }
         total = new_state["total"].clamp_min(torch.finfo(new_state["total"].dtype).tiny)
-        delta = {k: new_state[_SUM + k] / total - v for k, v in params.items()}
+        delta = {k: new_state[_SUM][k] / total - v for k, v in params.items()}
         return delta, new_state

@@ -48,13 +48,10 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import (
-    PERSONAL,
     Algorithm,
     ClientOutput,
     ClientRecord,
     check_non_negative,
-    pack_personal,
-    personal_model,
     started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
@@ -68,7 +65,7 @@ __all__ = [
     "clipped_cosine_similarity",
 ]
 
-MODELS = "models."
+MODELS = "models"
 SIMILARITY = "similarity"
 UPDATES = "updates"
 WEIGHTS = "weights"
@@ -79,7 +76,7 @@ TOTAL = "total"
 class RegularizedMTL(Algorithm):
     """Base of ``mtl_mean``, ``mtl_pairwise`` and ``mtl_graph``: personal models, prox SGD, exact mean tracking.
 
-    Client state (one row per client): ``personal.<name>``, the personal model (read only once the client
+    Client state (one row per client): ``{"personal": {name: tensor}}``, the personal model (read only once the client
     has trained, ``client.seen``; before that the client's model is the current mean w̄). Server
     state: ``total`` = P = Σ_{k seen} p_k. Subclasses give the proximal coefficient and centre of a
     client (:meth:`prox_terms`). See the module docstring for the objective, the client step and
@@ -111,7 +108,7 @@ class RegularizedMTL(Algorithm):
     # -- state --------------------------------------------------------------------------------
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """The personal model's row, a copy of ``params`` (not read before the client has trained)."""
-        return pack_personal({n: v.detach().clone() for n, v in params.items()})
+        return {"personal": {n: v.detach().clone() for n, v in params.items()}}
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """``total`` = P = Σ_{k seen} p_k, 0 before the first round."""
@@ -162,7 +159,7 @@ class RegularizedMTL(Algorithm):
         coef, centre = self.prox_terms(params, state, server_state, client)
         w_new, loss = prox_sgd(ctx, w_start, batches, self.local_lr, coef, centre)
         new_state = dict(state)
-        new_state.update(pack_personal(w_new))
+        new_state["personal"] = w_new
         return ClientOutput(
             delta=tree_sub(w_new, w_start),
             state=new_state,
@@ -195,7 +192,7 @@ class RegularizedMTL(Algorithm):
     ) -> Params:
         """``w_k`` for a client that has trained; the mean w̄ (the global parameters) for one that has
         not: never sampled yet, held out (new), or outside the federation."""
-        return started_from(client, personal_model(state, params), params)
+        return started_from(client, state["personal"], params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +263,7 @@ class SimilarityRegularizedMTL(RegularizedMTL):
     exact for any non-negative S, symmetric or not (for symmetric S and uniform p: a_jk = 2 S_jk). The
     other clients' models are those stored at the start of the round, an unseen client's read as w̄.
 
-    Server state (``K`` clients): ``models.<name>`` ``[K, ...]`` — a server copy of every client's
+    Server state (``K`` clients): ``models`` ``{name: [K, ...]}`` — a server copy of every client's
     personal model (``aggregate`` sees only the sampled clients, so the centres of the others need
     this copy; updated from the returned personal models, it equals the client store); ``seen``
     ``[K]`` — 1 once the client has trained (rows still 0 are read as w̄); ``weights`` ``[K]`` — p;
@@ -287,7 +284,7 @@ class SimilarityRegularizedMTL(RegularizedMTL):
         like = {"dtype": first.dtype, "device": first.device}
         state = super().init_server_state(params)
         state.update(
-            {MODELS + n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in params.items()}
+            {MODELS: {n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in params.items()}}
         )
         weights = self.client_weight.to(**like)
         state[WEIGHTS] = weights
@@ -309,7 +306,7 @@ class SimilarityRegularizedMTL(RegularizedMTL):
         seen = server_state[SEEN] > 0
         models = {}
         for n in params:
-            stored = server_state[MODELS + n]
+            stored = server_state[MODELS][n]
             mask = seen.reshape(-1, *([1] * (stored.dim() - 1)))
             models[n] = torch.where(mask, stored, params[n].unsqueeze(0))
         degree, centre = similarity_centre(
@@ -330,9 +327,8 @@ class SimilarityRegularizedMTL(RegularizedMTL):
         recompute S (held-out clients masked out)."""
         delta, new_state = super().aggregate(params, outputs, weights, server_state, clients)
         idx = clients.index.to(torch.long)
-        for n in params:
-            key = MODELS + n
-            new_state[key] = server_state[key].index_copy(0, idx, outputs.state[PERSONAL + n].to(server_state[key]))
+        stored, personal = server_state[MODELS], outputs.state["personal"]
+        new_state[MODELS] = {n: stored[n].index_copy(0, idx, personal[n].to(stored[n])) for n in params}
         new_state[SEEN] = server_state[SEEN].index_fill(0, idx, 1.0)
         if UPDATES in server_state:
             flat = torch.cat([outputs.delta[n].reshape(idx.numel(), -1) for n in params], dim=1)

@@ -54,10 +54,10 @@ class Scaffold(Algorithm):
             raise ValueError(f"SCAFFOLD needs local_lr > 0 (option II divides by τ·η_l), got {local_lr!r}")
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
-        return {f"c.{k}": v for k, v in tree_zeros_like(params).items()}
+        return {"c": tree_zeros_like(params)}
 
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        return {f"c_i.{k}": v for k, v in tree_zeros_like(params).items()}
+        return {"c_i": tree_zeros_like(params)}
 
     def client_update(
         self,
@@ -68,8 +68,8 @@ class Scaffold(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        c = {k: server_state[f"c.{k}"] for k in params}
-        c_i = {k: state[f"c_i.{k}"] for k in params}
+        c = {k: server_state["c"][k] for k in params}
+        c_i = {k: state["c_i"][k] for k in params}
         y = params
         losses = []
         steps = batches.x.shape[0]
@@ -81,8 +81,8 @@ class Scaffold(Algorithm):
         delta_c = tree_sub(c_new, c_i)
         return ClientOutput(
             delta=tree_sub(y, params),
-            state={f"c_i.{k}": v for k, v in c_new.items()},
-            extras={f"dc.{k}": v for k, v in delta_c.items()},
+            state={"c_i": c_new},
+            extras={"dc": delta_c},
             metrics={"loss": torch.stack(losses).mean()},
         )
 
@@ -96,8 +96,8 @@ class Scaffold(Algorithm):
     ) -> tuple[Params, dict[str, Tensor]]:
         delta, _ = super().aggregate(params, outputs, weights, server_state, clients)
         # c = Σ_i p_i c_i over the training clients, kept exactly: c ← c + Σ_{i∈S} p_i Δc_i
+        c = server_state["c"]
         new_state = {
-            f"c.{k}": server_state[f"c.{k}"] + tree_weighted_sum({k: outputs.extras[f"dc.{k}"]}, clients.weight)[k]
-            for k in params
+            "c": {k: c[k] + tree_weighted_sum({k: outputs.extras["dc"][k]}, clients.weight)[k] for k in params}
         }
         return delta, new_state

@@ -34,7 +34,7 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["FedRep", "FedPer", "SharedRepresentation", "head_names"]
 
-HEAD = "head."
+HEAD = "head"
 
 
 def head_names(names: Sequence[str], head_prefix: str | Sequence[str] | None) -> list[str]:
@@ -65,7 +65,7 @@ def head_names(names: Sequence[str], head_prefix: str | Sequence[str] | None) ->
 
 
 class SharedRepresentation(Algorithm):
-    """Base of FedRep and FedPer: global body, per-client head in the client state (``head.<name>``).
+    """Base of FedRep and FedPer: global body, per-client head in the client state (``{"head": {name: tensor}}``).
 
     Args:
         head_prefix: parameter-name prefix(es) of the local head; ``None`` = the last layer.
@@ -98,12 +98,12 @@ class SharedRepresentation(Algorithm):
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """The client's head, initially the global (initial) head."""
         _, head = self.split(params)
-        return {HEAD + k: v.detach().clone() for k, v in head.items()}
+        return {HEAD: {k: v.detach().clone() for k, v in head.items()}}
 
     def client_head(self, params: Params, state: dict[str, Tensor], client: ClientRecord) -> Params:
         """The client's own head ``h_k``, or the global (mean) head while it has not trained."""
         _, head = self.split(params)
-        return started_from(client, {k: state[HEAD + k] for k in head}, head)
+        return started_from(client, {k: state[HEAD][k] for k in head}, head)
 
     def personal_start(
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
@@ -129,7 +129,7 @@ class SharedRepresentation(Algorithm):
         delta = {k: body[k] - params[k] if k in body else head[k] - params[k] for k in params}
         return ClientOutput(
             delta=delta,
-            state={HEAD + k: v for k, v in head.items()},
+            state={HEAD: dict(head)},
             extras={},
             metrics={"loss": torch.stack(losses).mean()},
         )

@@ -105,9 +105,9 @@ def test_local_model_moves_towards_the_personal_model_by_eta_lambda() -> None:
 def test_client_state_starts_as_a_copy_of_the_parameters() -> None:
     w = quadratic_client().params
     state = PFedMe().init_client_state(w)
-    assert set(state) == {"theta.weight"}
-    torch.testing.assert_close(state["theta.weight"], w["weight"], atol=0, rtol=0)
-    assert state["theta.weight"].data_ptr() != w["weight"].data_ptr()
+    assert set(state) == {"theta"} and set(state["theta"]) == {"weight"}
+    torch.testing.assert_close(state["theta"]["weight"], w["weight"], atol=0, rtol=0)
+    assert state["theta"]["weight"].data_ptr() != w["weight"].data_ptr()
 
 
 def test_trained_client_is_scored_with_the_theta_of_its_local_training_not_a_fresh_prox_solve() -> None:
@@ -135,7 +135,7 @@ def test_never_trained_client_is_scored_with_the_prox_solve_from_the_current_glo
     """No personal model yet (never sampled, held out): θ̂(w), K inner steps from θ = w on its training data."""
     q = quadratic_client()
     alg = PFedMe(lam=2.0, personal_lr=0.05, inner_steps=3)
-    stale = {"theta.weight": q.params["weight"] - 1.0}  # whatever the row holds, an untrained client never reads it
+    stale = {"theta": {"weight": q.params["weight"] - 1.0}}  # whatever the row holds, an untrained client ignores it
     for state in (alg.init_client_state(q.params), stale):
         scored = alg.personalize(q.ctx, q.params, q.batches, state, {}, q.record)
         fresh, _ = alg.prox_point(q.ctx, q.params, q.batches.at(0, 0), q.params)

@@ -23,7 +23,7 @@ its one mini-batch.
 
 Evaluation. A client is scored with the personal model θ_i it reached in local training: the θ
 after the K inner steps of the last local round of the last communication round it was sampled
-in, kept in its client state (``theta.<name>``) and not recomputed from the current global w.
+in, kept in its client state (``state["theta"]``, a parameter dict) and not recomputed from the current global w.
 This is the model the authors' evaluation is written to score (``evaluate_personalized_model`` →
 ``persionalized_model_bar``, the θ of the K inner steps, in ``userpFedMe.py`` and
 ``serverpFedMe.py``; the README's "Evaluation" section has the details). A client that has never
@@ -45,7 +45,7 @@ from torch import Tensor
 
 __all__ = ["PFedMe"]
 
-THETA = "theta."  # client-state prefix of the personal model θ_i: ``theta.<parameter name>``
+THETA = "theta"  # client-state key of the personal model θ_i: ``{"theta": {parameter name: tensor}}``
 
 
 def _require(ok: bool, message: str) -> None:
@@ -69,7 +69,7 @@ class PFedMe(Algorithm):
     The common arguments ``finetune_steps``, ``finetune_lr`` and ``finetune_batch_size`` are refused
     (``unused_args``): pFedMe's evaluation is the personal model or its prox solve, not fine-tuning.
 
-    Client state: ``theta.<name>``, the personal model θ_i of the client's last local training (one model
+    Client state: ``{"theta": {name: tensor}}``, the personal model θ_i of the client's last local training (one model
     per client). A trained client is evaluated with it; a never-trained one with θ̂_i(w).
     """
 
@@ -121,9 +121,9 @@ class PFedMe(Algorithm):
 
     # ------------------------------------------------------------------------------------------
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """The personal model θ_i (``theta.<name>``), initially a copy of the parameters; read only once the
-        client has trained."""
-        return {THETA + k: v.detach().clone() for k, v in params.items()}
+        """The personal model θ_i (``{"theta": {name: tensor}}``), initially a copy of the parameters; read only
+        once the client has trained."""
+        return {THETA: {k: v.detach().clone() for k, v in params.items()}}
 
     def prox_point(self, ctx: ClientContext, w: Params, batch: Batch, theta: Params) -> tuple[Params, Tensor]:
         """K inner steps ``θ ← θ − ν (∇f(θ; D) + λ (θ − w))`` towards ``argmin_θ f(θ; D) + λ/2 ‖θ − w‖²``.
@@ -162,7 +162,7 @@ class PFedMe(Algorithm):
         gap = sum(((theta[k] - w_local[k]) ** 2).sum() for k in theta)
         return ClientOutput(
             delta={k: w_local[k] - params[k] for k in params},
-            state={THETA + k: theta[k] for k in params},
+            state={THETA: {k: theta[k] for k in params}},
             extras={},
             metrics={"loss": torch.stack(losses).mean(), "personal_gap": gap},
         )
@@ -185,4 +185,4 @@ class PFedMe(Algorithm):
         prox steps from θ = w on its training batch (a new client's personalisation)."""
         fresh, _ = self.prox_point(ctx, params, batches.at(0, 0), params)
         # both branches are computed: a tensor-valued choice keeps this vmap-safe
-        return {k: torch.where(client.seen, state[THETA + k].to(fresh[k].dtype), fresh[k]) for k in params}
+        return {k: torch.where(client.seen, state[THETA][k].to(fresh[k].dtype), fresh[k]) for k in params}
