@@ -1,18 +1,28 @@
-"""Lightning callbacks for federated runs: pictures of personalised accuracy and a per-round progress bar.
+"""Lightning callbacks for federated runs: pictures of the personalised metric and a per-round progress bar.
 
 * :class:`PlotCallback` records the personalised metrics after every evaluation (round =
-  ``trainer.global_step``, the number of completed communication rounds) and writes
-  ``accuracy_vs_round.png``, ``client_accuracy_hist.png`` and ``fedmeta_history.json`` into the
-  log dir at fit end and test end (rank zero writes; every rank resolves the log dir, a collective
-  call under DDP). ``fedmeta compare`` reads the JSON.
+  ``trainer.global_step``, the number of completed communication rounds) and writes the curve and
+  per-client histogram of the module's primary metric (``accuracy_vs_round.png`` and
+  ``client_accuracy_hist.png`` for accuracy, ``{metric}_vs_round.png`` and
+  ``client_{metric}_hist.png`` otherwise) and ``fedmeta_history.json`` into the log dir at fit end
+  and test end (rank zero writes; every rank resolves the log dir, a collective call under DDP).
+  ``fedmeta compare`` reads the JSON.
 * :class:`RoundProgressBar` is a ``TQDMProgressBar`` whose training bar counts communication
-  rounds over the whole run (``total = trainer.max_steps``) instead of batches per epoch.
+  rounds over the whole run (``total = trainer.max_steps``) instead of batches per epoch, and shows
+  the primary metric's ``val/{metric}_weighted``.
+
+The metric comes from the module: ``pl_module.primary_metric`` (the first metric key the user chose;
+``"acc"`` by default for classification, ``"loss"`` when no metric was chosen),
+``pl_module.metric_directions`` (metric key -> higher is better, the loss last) and
+``pl_module.last_per_client`` (metric key -> ``[K]`` values of the last evaluation). A module
+without these attributes is treated as an accuracy module (``last_per_client_accuracy``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +31,81 @@ import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_fedmeta.plots import plot_accuracy_vs_round, plot_client_accuracy_hist
+from lightning_fedmeta.plots import metric_file_names, plot_client_metric_hist, plot_metric_vs_round
 
-__all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "read_history"]
+__all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "module_metrics", "read_history"]
 
 HISTORY_FILE = "fedmeta_history.json"
-HISTORY_VERSION = 1
+# 1: accuracy only ("per_client_accuracy"); 2: any metric ("primary_metric", "higher_is_better",
+# "metric_directions", "per_client"; "per_client_accuracy" kept when the primary metric is "acc")
+HISTORY_VERSION = 2
+
+# the directions assumed for a module (or a version-1 history) that predates chosen metrics
+_ACCURACY_DIRECTIONS: dict[str, bool] = {"acc": True, "loss": False}
 
 
 def read_history(path: str | Path) -> dict[str, Any]:
-    """Load a ``fedmeta_history.json`` written by :class:`PlotCallback`."""
+    """Load a ``fedmeta_history.json`` written by :class:`PlotCallback`, in the current layout.
+
+    A version-1 file (accuracy only, written before metrics could be chosen) is upgraded on load:
+    ``primary_metric = "acc"``, ``higher_is_better = True``, ``metric_directions = {"acc": True,
+    "loss": False}`` and ``per_client = {"acc": per_client_accuracy}``. Missing optional keys of a
+    version-2 file get the same defaults, so every reader finds all keys.
+
+    Raises:
+        ValueError: the file is not a JSON object with a ``history`` list.
+    """
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("history"), list):
         raise ValueError(f"{path} is not a fedmeta history file (expected a JSON object with a 'history' list)")
+    return _upgrade_history(data)
+
+
+def _upgrade_history(data: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the version-2 keys of a history document (in place; returned for chaining)."""
+    primary = data.get("primary_metric")
+    if not isinstance(primary, str) or not primary:
+        primary = "acc"
+    directions = data.get("metric_directions")
+    directions = (
+        {str(k): bool(v) for k, v in directions.items()} if isinstance(directions, Mapping) and directions
+        else dict(_ACCURACY_DIRECTIONS)
+    )
+    higher = data.get("higher_is_better")
+    if not isinstance(higher, bool):
+        higher = directions.get(primary, primary != "loss")
+    directions.setdefault(primary, higher)
+    per_client = data.get("per_client")
+    if not isinstance(per_client, Mapping):
+        per_client = {}
+        if isinstance(data.get("per_client_accuracy"), list):
+            per_client["acc"] = data["per_client_accuracy"]
+    data.update(primary_metric=primary, higher_is_better=higher, metric_directions=directions,
+                per_client=dict(per_client))
+    if primary == "acc" and "per_client_accuracy" not in data:
+        data["per_client_accuracy"] = per_client.get("acc")
+    data.setdefault("is_new_client", None)
+    data.setdefault("client_names", None)
+    data.setdefault("per_client_round", None)
     return data
+
+
+def module_metrics(pl_module: Any) -> tuple[str, dict[str, bool]]:
+    """``(primary_metric, metric_directions)`` of a module, with accuracy defaults for old modules.
+
+    ``metric_directions`` maps each metric key to *higher is better* and always contains the primary
+    metric. A module without ``primary_metric`` is an accuracy module (``"acc"``); one without
+    ``metric_directions`` gets ``{"acc": True, "loss": False}`` (``loss`` is lower-is-better, any
+    other unknown primary metric higher-is-better).
+    """
+    raw = getattr(pl_module, "metric_directions", None)
+    directions = {str(k): bool(v) for k, v in raw.items()} if isinstance(raw, Mapping) else dict(_ACCURACY_DIRECTIONS)
+    primary = getattr(pl_module, "primary_metric", None)
+    if not isinstance(primary, str) or not primary:
+        primary = "acc"
+    directions.setdefault(primary, primary != "loss")
+    return primary, directions
 
 
 def _to_float(value: Any) -> float | None:
@@ -50,36 +120,84 @@ def _to_float(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
+def _as_list(values: Any) -> list[float] | None:
+    if isinstance(values, torch.Tensor):
+        return [float(v) for v in values.detach().cpu().reshape(-1)]
+    return None
+
+
 class PlotCallback(Callback):
-    """Record personalised metrics each evaluation and draw them at fit/test end.
+    """Record personalised metrics each evaluation and draw the primary metric at fit/test end.
 
     After every (non-sanity) validation and test, the metrics under ``val/`` (``test/``) in
-    ``trainer.callback_metrics`` are stored with ``round = trainer.global_step``, together with
-    ``pl_module.last_per_client_accuracy``. At fit end and test end, rank zero writes into
-    ``dirpath`` (default: ``trainer.log_dir``, which is ``default_root_dir`` without a logger):
+    ``trainer.callback_metrics`` are stored with ``round = trainer.global_step``, together with the
+    module's primary metric and its direction and the per-client values of the evaluation
+    (``pl_module.last_per_client``, one list per metric key; see :func:`module_metrics` for modules
+    without these attributes). At fit end and test end, rank zero writes into ``dirpath`` (default:
+    ``trainer.log_dir``, which is ``default_root_dir`` without a logger):
 
-    * ``accuracy_vs_round.png``: weighted mean and worst decile against the round (plus the
-      new-client curves when clients are held out, and test evaluations as stars);
-    * ``client_accuracy_hist.png``: the per-client accuracy of the last evaluation;
-    * ``fedmeta_history.json``: ``{"version", "history": [{"round", "stage", "metrics"}],
-      "per_client_accuracy", "is_new_client", "client_names"}``.
+    * ``{metric}_vs_round.png`` (``accuracy_vs_round.png`` for ``acc``): the primary metric's weighted
+      mean and worst decile against the round (plus the new-client curves when clients are held
+      out, and test evaluations as stars);
+    * ``client_{metric}_hist.png`` (``client_accuracy_hist.png`` for ``acc``): the per-client values
+      of the last evaluation, the worst decile marked at the low end, or at the high end for a
+      lower-is-better metric;
+    * ``fedmeta_history.json`` (version 2): ``{"version", "history": [{"round", "stage", "metrics"}],
+      "primary_metric", "higher_is_better", "metric_directions", "per_client": {metric: [K values]},
+      "is_new_client", "client_names", "per_client_round"}``, plus ``"per_client_accuracy"`` (the
+      version-1 key) when the primary metric is ``acc``. :func:`read_history` reads both versions.
 
-    The history is part of the callback's checkpoint state, so a resumed run keeps its curve.
+    The history, primary metric and direction are part of the callback's checkpoint state, so a
+    resumed run keeps its curve.
 
     Args:
         dirpath: folder for the files; ``None`` uses the trainer's log dir.
+
+    Attributes:
+        history: the evaluation records.
+        primary_metric: the metric drawn (``"acc"`` until a module says otherwise).
+        higher_is_better: the primary metric's direction.
+        metric_directions: metric key -> higher is better, for every metric of the module.
+        per_client: metric key -> per-client values of the last evaluation (``None`` before one).
     """
 
     def __init__(self, dirpath: str | Path | None = None) -> None:
         super().__init__()
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.history: list[dict[str, Any]] = []
-        self.per_client_accuracy: list[float] | None = None
+        self.primary_metric: str = "acc"
+        self.higher_is_better: bool = True
+        self.metric_directions: dict[str, bool] = dict(_ACCURACY_DIRECTIONS)
+        self.per_client: dict[str, list[float]] | None = None
         self.is_new_client: list[bool] | None = None
         self.client_names: list[str] | None = None
         self.last_round: int | None = None
 
+    @property
+    def per_client_accuracy(self) -> list[float] | None:
+        """The per-client accuracy of the last evaluation (``per_client["acc"]``), if recorded."""
+        return None if self.per_client is None else self.per_client.get("acc")
+
+    @property
+    def per_client_primary(self) -> list[float] | None:
+        """The per-client values of the primary metric in the last evaluation, if recorded."""
+        return None if self.per_client is None else self.per_client.get(self.primary_metric)
+
     # -- recording ------------------------------------------------------------------------------
+    @staticmethod
+    def _per_client_values(pl_module: Any, primary: str, directions: Mapping[str, bool]) -> dict[str, list[float]]:
+        """Per-client values of every metric key the module reports (the primary one included)."""
+        values: dict[str, list[float]] = {}
+        last = getattr(pl_module, "last_per_client", None)
+        if isinstance(last, Mapping):
+            for key in directions:
+                if (v := _as_list(last.get(key))) is not None:
+                    values[key] = v
+        if primary == "acc" and "acc" not in values:  # a module from before chosen metrics
+            if (v := _as_list(getattr(pl_module, "last_per_client_accuracy", None))) is not None:
+                values["acc"] = v
+        return values
+
     def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         metrics = {
             name: v for name, value in trainer.callback_metrics.items()
@@ -90,9 +208,12 @@ class PlotCallback(Callback):
         r = int(trainer.global_step)
         self.history = [h for h in self.history if not (h["round"] == r and h["stage"] == stage)]
         self.history.append({"round": r, "stage": stage, "metrics": metrics})
-        per_client = getattr(pl_module, "last_per_client_accuracy", None)
-        if isinstance(per_client, torch.Tensor):
-            self.per_client_accuracy = [float(a) for a in per_client.detach().cpu().reshape(-1)]
+        primary, directions = module_metrics(pl_module)
+        self.primary_metric, self.metric_directions = primary, directions
+        self.higher_is_better = directions[primary]
+        per_client = self._per_client_values(pl_module, primary, directions)
+        if per_client:
+            self.per_client = per_client
             is_new = getattr(pl_module, "is_holdout", None)
             self.is_new_client = (
                 [bool(b) for b in is_new.cpu().reshape(-1)] if isinstance(is_new, torch.Tensor) else None
@@ -123,16 +244,29 @@ class PlotCallback(Callback):
             return self.dirpath
         return Path(trainer.log_dir or trainer.default_root_dir)
 
+    def file_names(self) -> tuple[str, str]:
+        """The ``(curve, histogram)`` PNG names of the primary metric
+        (:func:`~lightning_fedmeta.plots.metric_file_names`)."""
+        return metric_file_names(self.primary_metric)
+
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document written to ``fedmeta_history.json``."""
-        return {
+        """The JSON document written to ``fedmeta_history.json`` (non-finite per-client values become ``null``)."""
+        per_client = (
+            None if self.per_client is None
+            else {k: [v if math.isfinite(v) else None for v in vals] for k, vals in self.per_client.items()}
+        )
+        doc: dict[str, Any] = {
             "version": HISTORY_VERSION,
             "history": sorted(self.history, key=lambda h: (h["round"], h["stage"] != "val")),
-            "per_client_accuracy": self.per_client_accuracy,
-            "is_new_client": self.is_new_client,
-            "client_names": self.client_names,
-            "per_client_round": self.last_round,
+            "primary_metric": self.primary_metric,
+            "higher_is_better": self.higher_is_better,
+            "metric_directions": dict(self.metric_directions),
+            "per_client": per_client,
         }
+        if self.primary_metric == "acc":  # the version-1 key, for readers that predate chosen metrics
+            doc["per_client_accuracy"] = None if per_client is None else per_client.get("acc")
+        doc.update(is_new_client=self.is_new_client, client_names=self.client_names, per_client_round=self.last_round)
+        return doc
 
     @rank_zero_only
     def write(self, trainer: pl.Trainer, dirpath: str | Path | None = None) -> None:
@@ -149,18 +283,29 @@ class PlotCallback(Callback):
         out.mkdir(parents=True, exist_ok=True)
         doc = self.to_dict()
         (out / HISTORY_FILE).write_text(json.dumps(doc, indent=1), encoding="utf-8")
-        plot_accuracy_vs_round(doc["history"], out / "accuracy_vs_round.png")
-        if self.per_client_accuracy:
-            plot_client_accuracy_hist(
-                self.per_client_accuracy, out / "client_accuracy_hist.png", self.is_new_client, self.last_round
-            )
+        curve, hist = self.file_names()
+        kind = {"metric": self.primary_metric, "higher_is_better": self.higher_is_better}
+        plot_metric_vs_round(doc["history"], out / curve, **kind)
+        values = self.per_client_primary
+        if values:
+            plot_client_metric_hist(values, out / hist, self.is_new_client, self.last_round, **kind)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history)}
+        return {
+            "history": list(self.history),
+            "primary_metric": self.primary_metric,
+            "higher_is_better": self.higher_is_better,
+            "metric_directions": dict(self.metric_directions),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
+        self.primary_metric = str(state_dict.get("primary_metric", "acc"))
+        self.metric_directions = dict(state_dict.get("metric_directions", _ACCURACY_DIRECTIONS))
+        self.higher_is_better = bool(
+            state_dict.get("higher_is_better", self.metric_directions.get(self.primary_metric, True))
+        )
 
 
 class RoundProgressBar(TQDMProgressBar):
@@ -169,7 +314,8 @@ class RoundProgressBar(TQDMProgressBar):
     The training bar is created once, labelled ``Rounds``, runs from the resumed round to
     ``trainer.max_steps`` across epochs (one epoch is ``eval_every`` rounds), and its postfix shows
     ``round``, ``clients`` (sampled this round), ``loss`` (weighted mean client loss) and the last
-    personalised ``val/acc_weighted``. Validation and test bars are TQDM's.
+    personalised ``val/{metric}_weighted`` of the module's primary metric (``val/acc_weighted`` for
+    classification by default; see :func:`module_metrics`). Validation and test bars are TQDM's.
     """
 
     def _total_rounds(self, trainer: pl.Trainer) -> int | None:
@@ -206,8 +352,17 @@ class RoundProgressBar(TQDMProgressBar):
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """``round``, ``clients``, ``loss`` and the last ``val/acc_weighted`` (plus other bar metrics)."""
+        """``round``, ``clients``, ``loss`` and the last ``val/{primary}_weighted`` (plus other bar metrics).
+
+        The primary metric's weighted value is taken from ``trainer.callback_metrics`` when the
+        module did not log it to the progress bar itself; it is absent before the first evaluation.
+        """
         items = dict(super().get_metrics(trainer, pl_module))
+        primary_key = f"val/{module_metrics(pl_module)[0]}_weighted"
+        if primary_key not in items:
+            value = _to_float(getattr(trainer, "callback_metrics", {}).get(primary_key))
+            if value is not None:
+                items[primary_key] = value
         items.pop("v_num", None)
         shown: dict[str, Any] = {"round": int(trainer.global_step)}
         clients = items.pop("clients", None)

@@ -5,7 +5,7 @@
     fedmeta test     --config ... --ckpt_path ...           # (or --untrained true: the initial model)
     fedmeta fit --config configs/quickstart.yaml --print_config
     fedmeta algorithms                                      # every registered algorithm
-    fedmeta compare LOGDIR [LOGDIR ...]                     # plot and tabulate several runs
+    fedmeta compare LOGDIR [LOGDIR ...] [--metric NAME]     # plot and tabulate several runs
 
 The algorithm is chosen by name under ``model.algorithm`` with its hyper-parameters beside it
 (``algorithm: {name: scaffold, local_lr: 0.05}``); ``distribution:name`` picks between two
@@ -172,9 +172,12 @@ def run(argv: Sequence[str] | None = None) -> Any:
         print_algorithms()
         return None
     if args and args[0] == "compare":
-        from lightning_fedmeta.compare import compare_main
+        from lightning_fedmeta.compare import CompareError, compare_main
 
-        compare_main(args[1:])
+        try:
+            compare_main(args[1:])
+        except (CompareError, FileNotFoundError) as exc:  # a request to fix, not a bug: message alone, status 2
+            raise FedMetaConfigError(str(exc)) from exc
         return None
     return FedMetaCLI(
         FederatedModule,

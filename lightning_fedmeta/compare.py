@@ -1,12 +1,21 @@
-"""``fedmeta compare LOGDIR [LOGDIR ...]``: several runs on one accuracy-vs-round plot, and a table.
+"""``fedmeta compare LOGDIR [LOGDIR ...]``: several runs on one metric-vs-round plot, and a table.
 
 Each LOGDIR is a run's log folder (or a file inside it). The run's history is read from
 ``fedmeta_history.json`` (written by :class:`~lightning_fedmeta.callbacks.PlotCallback`) or, when
 there is none, from a CSVLogger ``metrics.csv`` (see :func:`_read_csv` for how rounds are read). When a folder
 holds several versions (``lightning_logs/version_*``), the most recently written one is used.
 
-Printed (markdown): run, final weighted accuracy, final worst-decile accuracy, best weighted
-accuracy, and rounds (the last evaluated round). ``compare.png`` goes to ``--out`` (default ``.``).
+The metric compared is ``--metric NAME`` (a metric key the module logs as ``{stage}/{NAME}_weighted``
+and ``{stage}/{NAME}_worst10``, e.g. ``acc``, ``f1``, ``mse``, ``loss``); by default, the primary
+metric stored in the runs' history files (runs with different primary metrics need ``--metric``),
+else ``acc`` (for CSV files: the only metric besides the loss when there is no ``acc``). Its direction
+is ``--mode max|min`` when given, else the one stored in the history files, else guessed from the
+name (``loss``, ``mse``, ``mae``, ``rmse``, ``nll``, ``error``, ... are lower-is-better). "Best" is
+the maximum of a higher-is-better metric and the minimum of a lower-is-better one.
+
+Printed (markdown): run, final weighted value, final worst-decile value, best weighted value, and
+rounds (the last evaluated round); the headings name the metric. ``compare.png`` goes to ``--out``
+(default ``.``).
 """
 
 from __future__ import annotations
@@ -15,16 +24,38 @@ import argparse
 import csv
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from lightning_fedmeta.callbacks import HISTORY_FILE, read_history
-from lightning_fedmeta.plots import metric_series, plot_compare
+from lightning_fedmeta.plots import metric_label, metric_series, plot_compare
 
-__all__ = ["RunSummary", "compare_main", "find_history_file", "load_run", "markdown_table", "summarize_run"]
+__all__ = [
+    "CompareError",
+    "RunInfo",
+    "RunSummary",
+    "available_metrics",
+    "compare_main",
+    "default_higher_is_better",
+    "find_history_file",
+    "load_run",
+    "load_run_info",
+    "markdown_table",
+    "resolve_direction",
+    "resolve_metric",
+    "summarize_run",
+]
 
 RunSummary = dict[str, Any]
+RunInfo = dict[str, Any]
+
+# name fragments of lower-is-better metrics, for runs whose history does not store the direction
+_LOWER_IS_BETTER_HINTS = ("loss", "mse", "mae", "rmse", "msle", "mape", "nll", "error", "perplexity", "distance")
+
+
+class CompareError(ValueError):
+    """A ``fedmeta compare`` request that cannot be answered (the ``fedmeta`` command prints its message alone)."""
 
 
 def find_history_file(logdir: str | Path) -> Path:
@@ -77,22 +108,131 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
     return [{"round": r, "stage": s, "metrics": m} for (r, s), m in ordered]
 
 
-def load_run(logdir: str | Path) -> list[dict[str, Any]]:
-    """The history records (``{"round", "stage", "metrics"}``) of one run."""
+def load_run_info(logdir: str | Path) -> RunInfo:
+    """The history of one run and what it says about its metrics.
+
+    Returns:
+        ``{"history": [{"round", "stage", "metrics"}, ...], "primary_metric": str | None,
+        "metric_directions": {metric: higher_is_better}, "source": Path}``; a CSVLogger file stores no
+        primary metric (``None``) and no directions (``{}``), a version-1 history file reads as
+        ``"acc"`` (see :func:`~lightning_fedmeta.callbacks.read_history`).
+
+    Raises:
+        FileNotFoundError: no run at ``logdir``.
+        CompareError: the JSON file is not a fedmeta history file.
+    """
     source = find_history_file(logdir)
     if source.suffix == ".csv":
-        return _read_csv(source)
-    return list(read_history(source)["history"])
-
-
-def summarize_run(history: Sequence[dict[str, Any]], stage: str = "val") -> RunSummary:
-    """Final and best weighted accuracy, final worst decile, and the last evaluated round."""
-    rounds, weighted = metric_series(history, f"{stage}/acc_weighted")
-    worst_rounds, worst = metric_series(history, f"{stage}/acc_worst10")
+        return {"history": _read_csv(source), "primary_metric": None, "metric_directions": {}, "source": source}
+    try:
+        doc = read_history(source)
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise CompareError(str(exc)) from exc
     return {
-        "final_acc_weighted": weighted[-1] if weighted else math.nan,
-        "final_acc_worst10": worst[-1] if worst else math.nan,
-        "best_acc_weighted": max(weighted) if weighted else math.nan,
+        "history": list(doc["history"]),
+        "primary_metric": doc["primary_metric"],
+        "metric_directions": dict(doc["metric_directions"]),
+        "source": source,
+    }
+
+
+def load_run(logdir: str | Path) -> list[dict[str, Any]]:
+    """The history records (``{"round", "stage", "metrics"}``) of one run."""
+    return load_run_info(logdir)["history"]
+
+
+def available_metrics(history: Sequence[Mapping[str, Any]], stage: str = "val") -> list[str]:
+    """The metric keys ``m`` with a ``{stage}/{m}_weighted`` value in the history, in order of appearance."""
+    found: dict[str, None] = {}
+    prefix, suffix = f"{stage}/", "_weighted"
+    for rec in history:
+        for name in rec.get("metrics", {}):
+            if name.startswith(prefix) and name.endswith(suffix) and not name.startswith(f"{prefix}new/"):
+                found.setdefault(name[len(prefix):-len(suffix)], None)
+    return list(found)
+
+
+def default_higher_is_better(metric: str) -> bool:
+    """A guess of a metric's direction from its name: ``False`` for losses and errors, else ``True``."""
+    name = metric.lower()
+    return not any(hint in name for hint in _LOWER_IS_BETTER_HINTS)
+
+
+def resolve_metric(infos: Mapping[str, RunInfo], metric: str | None = None, stage: str = "val") -> str:
+    """The metric to compare: ``metric`` if given, else the runs' common primary metric.
+
+    Runs read from CSV files store no primary metric: when none of the runs does, the result is
+    ``"acc"`` if any run logs it, else the single metric besides ``loss`` that all runs log, else
+    ``"acc"``.
+
+    Raises:
+        CompareError: the history files name different primary metrics and ``metric`` is ``None``.
+    """
+    if metric:
+        return metric
+    primaries = {name: info["primary_metric"] for name, info in infos.items() if info.get("primary_metric")}
+    if len(set(primaries.values())) > 1:
+        listed = ", ".join(f"{name}: {m}" for name, m in primaries.items())
+        common = _common_metrics(infos, stage)
+        hint = f" (metrics every run logs: {', '.join(common)})" if common else ""
+        raise CompareError(
+            f"the runs have different primary metrics ({listed}); choose the one to compare with "
+            f"--metric NAME{hint}"
+        )
+    if primaries:
+        return next(iter(primaries.values()))
+    per_run = [available_metrics(info["history"], stage) for info in infos.values()]
+    if any("acc" in ms for ms in per_run):
+        return "acc"
+    candidates = [m for m in _common_metrics(infos, stage) if m != "loss"]
+    return candidates[0] if len(candidates) == 1 else "acc"
+
+
+def _common_metrics(infos: Mapping[str, RunInfo], stage: str) -> list[str]:
+    per_run = [available_metrics(info["history"], stage) for info in infos.values()]
+    if not per_run:
+        return []
+    return [m for m in per_run[0] if all(m in ms for ms in per_run[1:])]
+
+
+def resolve_direction(infos: Mapping[str, RunInfo], metric: str, mode: str | None = None) -> bool:
+    """Whether ``metric`` is higher-is-better: ``mode`` (``"max"``/``"min"``) if given, else the
+    direction stored in the history files, else :func:`default_higher_is_better`.
+
+    Raises:
+        CompareError: the history files disagree on the direction and ``mode`` is ``None``.
+    """
+    if mode is not None:
+        if mode not in ("max", "min"):
+            raise CompareError(f"mode must be 'max' or 'min', got {mode!r}")
+        return mode == "max"
+    stored = {name: bool(info["metric_directions"][metric]) for name, info in infos.items()
+              if metric in info.get("metric_directions", {})}
+    if len(set(stored.values())) > 1:
+        listed = ", ".join(f"{name}: {'higher' if v else 'lower'} is better" for name, v in stored.items())
+        raise CompareError(f"the runs disagree on the direction of {metric!r} ({listed}); pass --mode max or min")
+    if stored:
+        return next(iter(stored.values()))
+    return default_higher_is_better(metric)
+
+
+def summarize_run(
+    history: Sequence[dict[str, Any]], stage: str = "val", metric: str = "acc", higher_is_better: bool = True
+) -> RunSummary:
+    """Final and best weighted value, final worst decile, and the last evaluated round of one metric.
+
+    Returns:
+        ``{"final_{metric}_weighted", "final_{metric}_worst10", "best_{metric}_weighted", "rounds"}``;
+        "best" is the maximum when ``higher_is_better``, else the minimum; ``nan`` where the run
+        never logged the value.
+    """
+    rounds, weighted = metric_series(history, f"{stage}/{metric}_weighted")
+    worst_rounds, worst = metric_series(history, f"{stage}/{metric}_worst10")
+    best = max if higher_is_better else min
+    return {
+        f"final_{metric}_weighted": weighted[-1] if weighted else math.nan,
+        f"final_{metric}_worst10": worst[-1] if worst else math.nan,
+        f"best_{metric}_weighted": best(weighted) if weighted else math.nan,
         "rounds": rounds[-1] if rounds else (worst_rounds[-1] if worst_rounds else 0),
     }
 
@@ -101,16 +241,21 @@ def _fmt(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{x:.4f}"
 
 
-def markdown_table(summaries: dict[str, RunSummary]) -> str:
-    """A markdown table with one row per run."""
+def markdown_table(summaries: dict[str, RunSummary], metric: str = "acc", higher_is_better: bool = True) -> str:
+    """A markdown table with one row per run (summaries from :func:`summarize_run` with the same ``metric``).
+
+    The headings name the metric (``final weighted acc``, ``best weighted mse (min)``, ...); the best
+    column of a lower-is-better metric says ``(min)``.
+    """
+    best = f"best weighted {metric}" + ("" if higher_is_better else " (min)")
     lines = [
-        "| run | final weighted acc | final worst decile | best weighted acc | rounds |",
+        f"| run | final weighted {metric} | final worst decile | {best} | rounds |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, s in summaries.items():
         lines.append(
-            f"| {name} | {_fmt(s['final_acc_weighted'])} | {_fmt(s['final_acc_worst10'])} | "
-            f"{_fmt(s['best_acc_weighted'])} | {s['rounds']} |"
+            f"| {name} | {_fmt(s[f'final_{metric}_weighted'])} | {_fmt(s[f'final_{metric}_worst10'])} | "
+            f"{_fmt(s[f'best_{metric}_weighted'])} | {s['rounds']} |"
         )
     return "\n".join(lines)
 
@@ -118,7 +263,7 @@ def markdown_table(summaries: dict[str, RunSummary]) -> str:
 def _run_names(logdirs: Sequence[str], labels: Sequence[str] | None) -> list[str]:
     if labels:
         if len(labels) != len(logdirs):
-            raise ValueError(f"--labels has {len(labels)} names for {len(logdirs)} runs; give one per run")
+            raise CompareError(f"--labels has {len(labels)} names for {len(logdirs)} runs; give one per run")
         return list(labels)
     names: list[str] = []
     for d in logdirs:
@@ -132,27 +277,62 @@ def _run_names(logdirs: Sequence[str], labels: Sequence[str] | None) -> list[str
     return names
 
 
+def _check_metric_logged(infos: Mapping[str, RunInfo], metric: str, stage: str) -> None:
+    """Refuse a metric that no run logs while the runs do log others (a typo, or the wrong default)."""
+    per_run = {name: available_metrics(info["history"], stage) for name, info in infos.items()}
+    if any(metric in ms for ms in per_run.values()):
+        return
+    logged = list(dict.fromkeys(m for ms in per_run.values() for m in ms))
+    if logged:
+        raise CompareError(
+            f"no run logs '{stage}/{metric}_weighted'; the runs log {', '.join(logged)}: "
+            "choose one with --metric NAME"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fedmeta compare",
-        description="Plot several runs' personalised accuracy against the round and print a markdown table.",
+        description="Plot several runs' personalised metric against the round and print a markdown table.",
     )
     p.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="a run's log folder (or its fedmeta_history.json)")
     p.add_argument("--out", default=".", help="folder for compare.png (default: current folder)")
     p.add_argument("--labels", nargs="+", default=None, help="names of the runs, in the LOGDIR order")
     p.add_argument("--stage", choices=("val", "test"), default="val", help="which evaluations to compare")
-    p.add_argument("--title", default="Personalised accuracy vs. round", help="title of the plot")
+    p.add_argument(
+        "--metric", default=None, metavar="NAME",
+        help="the metric key to compare (columns {stage}/NAME_weighted and _worst10, e.g. acc, f1, mse, loss); "
+        "default: the primary metric stored in the runs' history, else acc",
+    )
+    p.add_argument(
+        "--mode", choices=("max", "min"), default=None,
+        help="whether the best value is the maximum or the minimum; default: the direction stored in the "
+        "runs' history, else guessed from the name (losses and errors: min)",
+    )
+    p.add_argument("--title", default=None, help="title of the plot (default: 'Personalised <metric> vs. round')")
     return p
 
 
 def compare_main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> dict[str, RunSummary]:
-    """Entry of ``fedmeta compare``: writes ``<out>/compare.png``, prints the table, returns the summaries."""
+    """Entry of ``fedmeta compare``: writes ``<out>/compare.png``, prints the table, returns the summaries.
+
+    Raises:
+        FileNotFoundError: a LOGDIR holds no run.
+        CompareError: mismatched ``--labels``, runs with different primary metrics and no ``--metric``,
+            or a metric that no run logs.
+    """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     out = stream or sys.stdout
     names = _run_names(args.logdirs, args.labels)
-    runs = {name: load_run(d) for name, d in zip(names, args.logdirs, strict=True)}
-    summaries = {name: summarize_run(h, args.stage) for name, h in runs.items()}
-    png = plot_compare(runs, Path(args.out) / "compare.png", stage=args.stage, title=args.title)
-    print(markdown_table(summaries), file=out)
+    infos = {name: load_run_info(d) for name, d in zip(names, args.logdirs, strict=True)}
+    metric = resolve_metric(infos, args.metric, args.stage)
+    _check_metric_logged(infos, metric, args.stage)
+    higher = resolve_direction(infos, metric, args.mode)
+    runs = {name: info["history"] for name, info in infos.items()}
+    summaries = {name: summarize_run(h, args.stage, metric, higher) for name, h in runs.items()}
+    title = args.title or f"Personalised {metric_label(metric)} vs. round"
+    png = plot_compare(runs, Path(args.out) / "compare.png", stage=args.stage, title=title,
+                       metric=metric, higher_is_better=higher)
+    print(markdown_table(summaries, metric, higher), file=out)
     print(f"\nplot: {png}", file=out)
     return summaries

@@ -2,7 +2,8 @@
 
 Both paths call the same function with the same inputs and stack the outputs the same way, so
 they agree to floating-point reassociation (tested to 1e-6). The looped path is the fallback for
-models ``vmap`` cannot handle (dropout with per-client draws).
+models ``vmap`` cannot handle (dropout with per-client draws; PyTorch's recurrent layers ``nn.LSTM``/
+``nn.GRU``/``nn.RNN``, which have no batching rule: see :func:`choose_batching`).
 """
 
 from __future__ import annotations
@@ -150,25 +151,50 @@ def run_clients(
     return chunks[0] if len(chunks) == 1 else _cat(chunks)
 
 
+def _unbatchable_layers(model: nn.Module) -> list[str]:
+    """``"name (nn.LSTM)"`` for each layer ``torch.func.vmap`` cannot run over clients.
+
+    ``nn.LSTM``/``nn.GRU``/``nn.RNN`` (``nn.RNNBase``; torch 2.14, CPU): a forward outside ``torch.func.grad``
+    (evaluation) fails in every mode ("Batching rule not implemented for aten::lstm.input ... We could not
+    generate a fallback"), ``nn.GRU``/``nn.RNN`` also fail inside ``grad`` when the parameters are shared and
+    the data per client (an in-place write in the fused kernel), and ``nn.LSTM`` inside ``grad`` runs through
+    ``aten::mkldnn_rnn_layer``, which has no batching rule (vmap loops internally). Details: the docstring of
+    :mod:`lightning_fedmeta.models`.
+    """
+    return [f"{n or '<model>'} (nn.{type(m).__name__})" for n, m in model.named_modules() if isinstance(m, nn.RNNBase)]
+
+
 def choose_batching(model: nn.Module, requested: ClientBatching) -> tuple[Literal["vmap", "loop"], str]:
     """Pick the client path for ``model``: returns the mode and the reason (for an info line).
 
     BatchNorm layers with running statistics are expected to have been switched to batch statistics
-    already (``FederatedModule`` does it before calling this), so only dropout forces the loop.
+    already (``FederatedModule`` does it before calling this). The loop is forced by dropout (per-client
+    draws) and by PyTorch's recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: no vmap batching rule;
+    :class:`~lightning_fedmeta.models.CharLSTM` is the batched equivalent); ``requested="vmap"`` then raises
+    ``ValueError`` with the reason.
     """
     random_layers = [
         n for n, m in model.named_modules()
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
     ]
+    recurrent = _unbatchable_layers(model)
     if requested == "loop":
         return "loop", "client_batching='loop' requested"
+    reasons = []
     if random_layers:
-        reason = (
-            f"the batched (vmap) client path cannot run dropout drawn per client ({', '.join(random_layers[:3])}); "
-            "running clients looped"
+        reasons.append(
+            f"the batched (vmap) client path cannot run dropout drawn per client ({', '.join(random_layers[:3])})"
         )
+    if recurrent:
+        reasons.append(
+            f"torch.func.vmap cannot run PyTorch's recurrent layers ({', '.join(recurrent[:3])}: no batching rule "
+            "for aten::lstm/gru/rnn outside a grad transform); for batched clients use "
+            "lightning_fedmeta.models.CharLSTM (the same LSTM/GRU recurrence written with nn.Linear gates; "
+            "CharLSTM.load_rnn_weights copies an nn.LSTM/nn.GRU in)"
+        )
+    if reasons:
+        reason = "; ".join(reasons) + "; running clients looped"
         if requested == "vmap":
             raise ValueError(f"client_batching='vmap' is impossible for this model: {reason}")
         return "loop", reason
     return "vmap", "batched clients (torch.func.vmap)"
-

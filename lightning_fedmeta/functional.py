@@ -12,6 +12,7 @@ tensor shape: the loss is the masked mean ``Σ_j m_j ℓ_j / Σ_j m_j``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, jvp, vjp
+
+from lightning_fedmeta import running_stats
 
 __all__ = [
     "Params",
@@ -112,11 +115,29 @@ def cross_entropy_per_sample(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits, y, reduction="none")
 
 
+def _unwrap_dead(t: Tensor) -> Tensor:
+    """``t`` without the wrappers of ``torch.func`` transforms that have exited (a detached statistic
+    recorded inside a caller's ``grad``); a live tensor is returned as is."""
+    while torch._C._functorch.is_dead_tensor_wrapper(t):
+        t = torch._C._functorch.unwrap_if_dead(t)
+    return t
+
+
 class ClientContext:
     """A client's functional view of the model: loss, gradients, Hessian-vector products, SGD.
 
     Every method is a pure function of its arguments, safe under ``torch.func.vmap``.
     The loss on a batch is the masked mean ``f(w; D) = Σ_j m_j ℓ(h_w(x_j), y_j) / Σ_j m_j``.
+
+    BatchNorm layers prepared with :func:`lightning_fedmeta.running_stats.prepare_model` run
+    functionally: in train mode they normalise with the statistics of the batch's real samples (the
+    ``mask``; a padded batch gives the loss of its real rows), in eval mode with running statistics.
+    A context bound to one client's running statistics (:meth:`for_client`) advances them, as
+    PyTorch's BatchNorm does, on every train-mode forward of :meth:`loss`, :meth:`grad`,
+    :meth:`loss_and_grad` and :meth:`sgd_step` (not inside :meth:`hvp`, :meth:`predict` or
+    :meth:`accuracy_counts`); :meth:`updated_buffers` returns them. Without bound statistics, eval
+    mode uses ``buffers`` (the module's own by default). Models without prepared BatchNorm layers run
+    exactly as plain ``functional_call``.
 
     Args:
         model: the architecture; its own parameters are ignored (``params`` replace them).
@@ -133,14 +154,78 @@ class ClientContext:
         self.model = model
         self.buffers = dict(buffers) if buffers is not None else dict(model.named_buffers())
         self.per_sample_loss = per_sample_loss
+        #: prepared BatchNorm layers with their names (empty: the plain functional_call path)
+        self._layers = running_stats.tracked_layers(model)
+        self._stat_names = running_stats.running_stat_names(model) if self._layers else []
+        #: this client's buffers (running statistics), replaced on every counted train-mode forward
+        self._bound: Params | None = None
+        #: whether forwards advance the bound statistics (False inside hvp)
+        self._counting = True
+        #: whether a statistic may have been recorded inside a caller's grad transform (see :meth:`loss`)
+        self._may_leak = False
+
+    # -- per-client running statistics --------------------------------------------------------
+    def for_client(self, buffers: Params) -> ClientContext:
+        """A context bound to one client's buffers (under vmap: its row of the stacked buffers).
+
+        ``buffers`` replace the module's buffers of the same names (typically the running statistics
+        of :func:`~lightning_fedmeta.running_stats.prepare_model`; running statistics not given start
+        from ``self.buffers``). The tensors passed in are never modified.
+        """
+        unknown = sorted(set(buffers) - set(self.buffers))
+        if unknown:
+            raise KeyError(f"for_client: {unknown[:3]} are not buffers of the model")
+        ctx = copy.copy(self)
+        ctx._bound = {**{name: self.buffers[name] for name in self._stat_names}, **buffers}
+        ctx._counting = True
+        ctx._may_leak = False
+        return ctx
+
+    def updated_buffers(self) -> Params:
+        """The bound buffers after every forward so far (``{}`` for a context not bound by :meth:`for_client`)."""
+        if self._bound is None:
+            return {}
+        if not self._may_leak:
+            return dict(self._bound)
+        return {k: _unwrap_dead(v) for k, v in self._bound.items()}
+
+    def _forward(self, params: Params, x: Tensor, mask: Tensor | None, count: bool) -> tuple[Tensor, Params]:
+        """``h_w(x)`` through prepared BatchNorm layers, and the advanced running statistics (``{}``
+        unless ``count`` and bound); the statistics are detached, so they may leave a grad transform as aux."""
+        buffers = self.buffers if self._bound is None else {**self.buffers, **self.updated_buffers()}
+        record: dict[nn.Module, tuple[Tensor, Tensor, Tensor | None]] | None = None
+        if count and self._counting and self._bound is not None:
+            record = {}
+        with running_stats.statistics_scope(mask, record):
+            out = functional_call(self.model, (params, buffers), (x,))
+        return out, ({} if record is None else running_stats.updates_by_name(self._layers, record))
+
+    def _loss_and_stats(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
+        out, stats = self._forward(params, batch.x, batch.mask, count=True)
+        per_sample = self.per_sample_loss(out, batch.y)
+        mask = batch.mask.to(per_sample.dtype)
+        return (per_sample * mask).sum() / mask.sum().clamp_min(1.0), stats
+
+    def _advance(self, stats: Params) -> None:
+        if stats and self._bound is not None:
+            self._bound = {**self._bound, **stats}
 
     # -- forward ----------------------------------------------------------------------------
     def predict(self, params: Params, x: Tensor) -> Tensor:
         """Model output ``h_w(x)`` with ``params`` in place of the module's parameters."""
+        if self._layers:
+            return self._forward(params, x, None, count=False)[0]
         return functional_call(self.model, (params, self.buffers), (x,))
 
     def loss(self, params: Params, batch: Batch) -> Tensor:
         """Masked mean loss ``f(w; D)``."""
+        if self._layers:
+            value, stats = self._loss_and_stats(params, batch)
+            self._advance(stats)
+            # called inside a caller's own grad transform, the statistics belong to its level: once the
+            # transform exits they are dead wrappers, unwrapped by updated_buffers
+            self._may_leak = self._may_leak or bool(stats)
+            return value
         per_sample = self.per_sample_loss(self.predict(params, batch.x), batch.y)
         mask = batch.mask.to(per_sample.dtype)
         return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
@@ -148,12 +233,29 @@ class ClientContext:
     # -- derivatives --------------------------------------------------------------------------
     def grad(self, params: Params, batch: Batch) -> Params:
         """``∇f(w; D)`` by reverse mode (``torch.func.grad``)."""
+        if self._layers:
+            g, stats = grad(self._loss_and_stats, has_aux=True)(params, batch)
+            self._advance(stats)
+            return g
         return grad(self.loss)(params, batch)
 
     def loss_and_grad(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
         """``(f(w; D), ∇f(w; D))`` in one backward pass."""
+        if self._layers:
+            g, (value, stats) = grad_and_value(self._loss_and_stats, has_aux=True)(params, batch)
+            self._advance(stats)
+            return value, g
         g, value = grad_and_value(self.loss)(params, batch)
         return value, g
+
+    def frozen(self) -> ClientContext:
+        """A snapshot of this context whose forwards do not advance the bound running statistics (for
+        evaluation-like forwards inside a client step); the same context for models without BatchNorm."""
+        if not self._layers:
+            return self
+        ctx = copy.copy(self)
+        ctx._counting = False
+        return ctx
 
     def hvp(self, params: Params, batch: Batch, v: Params) -> Params:
         """Exact Hessian-vector product ``∇²f(w; D) v`` by reverse-over-reverse: the vector-Jacobian
@@ -162,13 +264,16 @@ class ClientContext:
         No Hessian is formed; the cost is a few gradient evaluations. It is chosen over
         forward-over-reverse (jvp of grad; see :meth:`hvp_forward_over_reverse`) because it is faster
         under ``vmap`` and, unlike it, ``torch.compile`` can trace it (timings: benchmarks/results/speed.md).
+        Its forwards do not advance bound running statistics (they re-evaluate a counted gradient).
         """
-        _, pullback = vjp(lambda p: self.grad(p, batch), params)
+        ctx = self.frozen()
+        _, pullback = vjp(lambda p: ctx.grad(p, batch), params)
         return pullback(v)[0]
 
     def hvp_forward_over_reverse(self, params: Params, batch: Batch, v: Params) -> Params:
         """The same product by forward-over-reverse (jvp of grad); kept as a cross-check."""
-        return jvp(lambda p: self.grad(p, batch), (params,), (v,))[1]
+        ctx = self.frozen()
+        return jvp(lambda p: ctx.grad(p, batch), (params,), (v,))[1]
 
     # -- steps --------------------------------------------------------------------------------
     def sgd_step(self, params: Params, batch: Batch, lr: float | Tensor) -> tuple[Params, Tensor]:
@@ -178,7 +283,10 @@ class ClientContext:
 
     def accuracy_counts(self, params: Params, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """``(correct, count, loss_sum)`` over the real (unmasked) samples of ``batch``."""
-        logits = self.predict(params, batch.x)
+        if self._layers:
+            logits = self._forward(params, batch.x, batch.mask, count=False)[0]
+        else:
+            logits = self.predict(params, batch.x)
         per_sample = self.per_sample_loss(logits, batch.y)
         mask = batch.mask.to(per_sample.dtype)
         correct = ((logits.argmax(-1) == batch.y).to(per_sample.dtype) * mask).sum()

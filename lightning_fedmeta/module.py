@@ -20,6 +20,7 @@ the single-process run aggregates.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -29,12 +30,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
-from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
 from lightning_fedmeta.execution import ClientBatching, choose_batching, run_clients
-from lightning_fedmeta.functional import Batch, ClientContext, Params
-from lightning_fedmeta.metrics import PersonalizedMetrics
+from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_sum
+from lightning_fedmeta.losses import DEFAULT_LOSS, LOSSES, PerSampleLoss, loss_name, resolve_loss
+from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics, MetricSpec
 from lightning_fedmeta.models import default_model
 from lightning_fedmeta.registry import create_algorithm
+from lightning_fedmeta.running_stats import client_buffers, prepare_model
 from lightning_fedmeta.sampling import choose_holdout, draw_batch_indices, sample_clients, stable_seed
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
 from lightning_fedmeta.validation import (
@@ -61,19 +64,46 @@ def _build_algorithm(spec: str | dict[str, Any] | Algorithm) -> Algorithm:
     raise TypeError(f"algorithm must be a name, a mapping with 'name', or an Algorithm; got {type(spec).__name__}")
 
 
+def _default_model_for(spec: dict[str, Any]) -> nn.Module:
+    """The default model of a data spec (``input_shape``, ``num_classes``, ``task``, ``target_shape``)."""
+    task = spec.get("task") or "classification"
+    num_classes = spec.get("num_classes")
+    if task == "classification":
+        return default_model(tuple(spec["input_shape"]), int(num_classes))  # type: ignore[arg-type]
+    return default_model(
+        tuple(spec["input_shape"]), num_classes, task=task, target_shape=tuple(spec.get("target_shape") or ()),
+    )
+
+
+def _import_callable(path: str) -> Callable[..., Any]:
+    """The object at import path ``package.module.name`` (for ``loss`` given as a dotted string)."""
+    import importlib
+
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"loss {path!r} is neither a built-in loss ({sorted(LOSSES)}) nor an importable "
+                         f"callable: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"loss {path!r} is not callable")
+    return obj
+
+
 def format_summary(summary: dict[str, dict[str, Tensor]], round_idx: int) -> str:
-    """A small text table of personalised accuracy/loss per client group."""
-    lines = [
-        f"Personalized evaluation after round {round_idx}",
-        f"{'clients':<10} {'acc (weighted)':>15} {'acc (mean)':>11} {'acc (worst 10%)':>16} {'loss (weighted)':>16}",
-    ]
-    for group, s in summary.items():
-        if group.startswith("_"):
-            continue
-        lines.append(
-            f"{group:<10} {float(s['acc_weighted']):>15.4f} {float(s['acc_mean']):>11.4f} "
-            f"{float(s['acc_worst10']):>16.4f} {float(s['loss_weighted']):>16.4f}"
-        )
+    """A small text table of every personalised metric (weighted mean, mean, worst decile) per client group."""
+    groups = [g for g in summary if not g.startswith("_")]
+    keys = [k[: -len("_weighted")] for k in summary[groups[0]] if k.endswith("_weighted")] if groups else []
+    header = f"{'clients':<10}" + "".join(
+        f" {k + ' (weighted)':>18} {k + ' (mean)':>14} {k + ' (worst 10%)':>18}" for k in keys
+    )
+    lines = [f"Personalized evaluation after round {round_idx}", header]
+    for group in groups:
+        s = summary[group]
+        lines.append(f"{group:<10}" + "".join(
+            f" {float(s[k + '_weighted']):>18.4f} {float(s[k + '_mean']):>14.4f} {float(s[k + '_worst10']):>18.4f}"
+            for k in keys
+        ))
     return "\n".join(lines)
 
 
@@ -81,8 +111,9 @@ class FederatedModule(LightningModule):
     """Personalized federated learning with any registered algorithm.
 
     Args:
-        model: the network (any ``nn.Module`` mapping a batch of inputs to logits). ``None``
-            builds :func:`~lightning_fedmeta.models.default_model` from the data's shape.
+        model: the network: any ``nn.Module`` (a ``LightningModule`` too: its ``forward`` is used) mapping a
+            batch of inputs to outputs the loss accepts. ``None`` builds
+            :func:`~lightning_fedmeta.models.default_model` from the data's shapes and task.
         algorithm: a registered name (``"fedavg"``), a mapping ``{name: ..., <hyper-parameters>}``,
             or an :class:`~lightning_fedmeta.Algorithm` instance.
         clients_per_round: clients sampled each round (mutually exclusive with ``fraction``; 10 when
@@ -105,6 +136,17 @@ class FederatedModule(LightningModule):
         holdout_clients: clients never sampled in training (count, or fraction in [0, 1)); they
             are evaluated separately as new clients.
         seed: seed of client sampling and mini-batch draws (independent of the data seed).
+        loss: the per-sample loss every algorithm's local steps, adaptation and evaluation use: a name
+            (:data:`~lightning_fedmeta.losses.LOSSES`: ``cross_entropy``, ``mse``, ``bce_with_logits``, ...),
+            an import path of a function (``mypackage.losses.focal``), a ``torch.nn`` loss module (used with
+            ``reduction="none"``) or a callable ``(outputs, targets) -> [B]``. ``None``: the model's
+            ``federated_loss(outputs, targets)`` method if it has one, else the task's default
+            (cross-entropy for classes and tokens, MSE for regression, BCE with logits for multi-label).
+        metrics: the personalised metrics, ``{name: spec}``: a built-in name
+            (:data:`~lightning_fedmeta.metrics.BUILTIN_METRICS`: ``accuracy``, ``mse``, ``mae``, ``rmse``,
+            ``perplexity``) or any torchmetrics ``Metric``, kept per client. Each is logged as
+            ``{stage}/{name}_weighted``, ``_mean`` and ``_worst10`` (worst by its direction), next to the
+            loss. ``None``: ``{"acc": "accuracy"}`` for classes and tokens, ``{"mae": "mae"}`` for regression.
     """
 
     def __init__(
@@ -122,6 +164,8 @@ class FederatedModule(LightningModule):
         compile_clients: bool = False,
         holdout_clients: int | float = 0,
         seed: int = 0,
+        loss: str | nn.Module | Callable[[Tensor, Tensor], Tensor] | None = None,
+        metrics: Mapping[str, MetricSpec] | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -147,6 +191,17 @@ class FederatedModule(LightningModule):
             raise ValueError(f"client_batching must be 'auto', 'vmap' or 'loop', got {client_batching!r}")
         if client_chunk_size is not None and client_chunk_size < 1:
             raise ValueError(f"client_chunk_size must be >= 1, got {client_chunk_size!r}")
+        if isinstance(loss, str) and loss not in LOSSES and "." not in loss:
+            raise ValueError(
+                f"unknown loss {loss!r}; choose one of {sorted(LOSSES)}, an import path (package.module.function), "
+                "a torch.nn loss module or a callable"
+            )
+        if isinstance(loss, str) and loss not in LOSSES:
+            loss = _import_callable(loss)
+        if metrics is not None:
+            if not isinstance(metrics, Mapping) or not metrics:
+                raise ValueError(f"metrics must be a non-empty mapping {{name: metric}}, got {metrics!r}")
+            ClientMetrics(metrics, 1)  # names, built-ins and torchmetrics states checked now, before any data
         self.algorithm = _build_algorithm(algorithm)
         if not type(self.algorithm).server_optimizer_applies and (
             server_optimizer is not None or server_lr != 1.0 or server_lr_scheduler is not None
@@ -166,6 +221,10 @@ class FederatedModule(LightningModule):
         ignore = ["model", "server_optimizer", "server_lr_scheduler"]
         if isinstance(algorithm, Algorithm):
             ignore.append("algorithm")
+        if loss is not None and not isinstance(loss, str):
+            ignore.append("loss")
+        if metrics is not None and not all(isinstance(v, str) for v in metrics.values()):
+            ignore.append("metrics")
         self.save_hyperparameters(ignore=ignore)
         self.model = model
         self.clients_per_round = clients_per_round
@@ -180,13 +239,21 @@ class FederatedModule(LightningModule):
         self._compiled: dict[Any, Any] | None = {} if compile_clients else None
         self.holdout_clients = holdout_clients
         self.seed = seed
+        self.loss = loss
+        self.metrics = dict(metrics) if metrics is not None else None
+        self.per_sample_loss: PerSampleLoss | None = None
+        self.metric_directions: dict[str, bool] = {}
+        self.primary_metric = "loss"
+        self._pending_metric_state: dict[str, Tensor] | None = None
 
         self.client_states = ClientStateStore()
+        self.client_buffers = ClientStateStore()  # per-client BatchNorm running statistics ([K, ...] per buffer)
+        self.stat_names: list[str] = []
+        self._round_buffers: tuple[Tensor, dict[str, Tensor], Tensor] | None = None
         self.server_state: dict[str, Any] = {}  # a (nested) dict of tensors
         self.seen: Tensor | None = None  # [K] bool: the client took part in a completed round (checkpointed)
         self.data: FederatedData | None = None
         self.last_summary: dict[str, dict[str, Tensor]] = {}
-        self.last_per_client_accuracy: Tensor | None = None
         self.last_per_client: dict[str, Tensor] = {}
         self._data_spec: dict[str, Any] | None = None
         self._validated: set[str] = set()  # algorithm functions whose outputs passed validation (first round)
@@ -210,10 +277,14 @@ class FederatedModule(LightningModule):
         """Bind the federated data: build the model if needed, choose clients, initialise state."""
         self.data = data
         self._placed_on = None
-        self._data_spec = {"input_shape": list(data.input_shape), "num_classes": data.num_classes}
+        self._data_spec = {
+            "input_shape": list(data.input_shape), "num_classes": data.num_classes, "task": data.task,
+            "target_shape": list(data.target_shape),
+        }
         if self.model is None:
-            self.model = default_model(data.input_shape, data.num_classes)
-        self._check_output_size(data)
+            self.model = _default_model_for(self._data_spec)
+        self._bind_task(data)
+        self._check_outputs(data)
         k = data.num_clients
         self.holdout = choose_holdout(self.seed, k, self.holdout_clients)
         is_holdout = torch.zeros(k, dtype=torch.bool)
@@ -230,7 +301,7 @@ class FederatedModule(LightningModule):
                     f"clients_per_round={self.num_sampled} exceeds the {n_eligible} training clients "
                     f"({k} clients, {k - n_eligible} held out)"
                 )
-        self._use_batch_statistics(self.model)
+        self._keep_running_statistics_per_client(k)
         self.batching, reason = choose_batching(self.model, self.client_batching)
         if self.batching == "vmap" and not type(self.algorithm).batchable:
             if self.client_batching == "vmap":
@@ -255,8 +326,13 @@ class FederatedModule(LightningModule):
             validate_init_server_state(self.algorithm, server_state)
             self.server_state = server_state
         self._validated = set()  # client_update and aggregate are validated on the first round with this data
-        self.metric = PersonalizedMetrics(k)
-        self.ctx = ClientContext(self.model)
+        self.metric = ClientMetrics(self._metric_specs(data), k)
+        self.metric_directions = dict(self.metric.directions)
+        self.primary_metric = next(iter(self.metric_directions))
+        if self._pending_metric_state is not None:  # a checkpoint loaded before the data was attached
+            self._restore_metric_state(self._pending_metric_state)
+            self._pending_metric_state = None
+        self.ctx = ClientContext(self.model, per_sample_loss=self.per_sample_loss)
         self._test_width = int(data.test_counts.max())
         self._train_width = int(data.train_counts.max())
         rank_zero_info(
@@ -277,11 +353,27 @@ class FederatedModule(LightningModule):
             num_samples=self.data.train_counts.cpu()[idx].long().to(device),
         )
 
-    def _check_output_size(self, data: FederatedData) -> None:
-        """The model must map a batch of inputs to ``[B, num_classes]`` outputs (checked once, on 2 samples)."""
-        assert self.model is not None
+    def _bind_task(self, data: FederatedData) -> None:
+        """Resolve the loss for this data's task: the ``loss`` argument, else the model's ``federated_loss``
+        method, else the task's default."""
+        spec = self.loss
+        if spec is None and callable(getattr(self.model, "federated_loss", None)):
+            spec = self.model.federated_loss  # type: ignore[union-attr]
+        self.per_sample_loss = resolve_loss(spec, str(data.task))
+        self._loss_name = loss_name(spec) if spec is not None else DEFAULT_LOSS[str(data.task)]
+
+    def _metric_specs(self, data: FederatedData) -> dict[str, MetricSpec]:
+        if self.metrics is not None:
+            return dict(self.metrics)
+        return dict(DEFAULT_METRICS[str(data.task)])
+
+    def _check_outputs(self, data: FederatedData) -> None:
+        """The model must take the data's inputs, and the loss and built-in metrics its outputs with the
+        data's targets, giving one finite value per sample (checked once, on 2 samples, before training)."""
+        assert self.model is not None and self.per_sample_loss is not None
         first = next(self.model.parameters(), None)
-        x = data.train_x[:2].to(first.device if first is not None else "cpu")
+        device = first.device if first is not None else torch.device("cpu")
+        x, y = data.train_x[:2].to(device), data.train_y[:2].to(device)
         was_training = self.model.training
         try:
             self.model.eval()
@@ -289,41 +381,87 @@ class FederatedModule(LightningModule):
                 out = self.model(x)
         except Exception as exc:  # noqa: BLE001 - reported with the shapes
             raise ValueError(
-                f"the model cannot take this data's inputs: a batch of shape {tuple(x.shape)} raised "
+                f"the model cannot take this data's inputs: a batch of shape {tuple(x.shape)} ({x.dtype}) raised "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         finally:
             self.model.train(was_training)
-        if not isinstance(out, Tensor) or (out.dim() != 2 or out.shape[-1] != data.num_classes):
+        shape = tuple(getattr(out, "shape", ()))
+        if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != x.shape[0]:
             raise ValueError(
-                f"the model's output has shape {tuple(getattr(out, 'shape', ()))} for a batch of {x.shape[0]}, "
-                f"but the data has {data.num_classes} classes: its last layer must output {data.num_classes} "
-                "logits per sample"
+                f"the model's output must be a tensor with one row per sample; got {type(out).__name__} of shape "
+                f"{shape} for a batch of {x.shape[0]}"
             )
+        if data.task == "classification" and (out.dim() != 2 or out.shape[-1] != data.num_classes):
+            raise ValueError(
+                f"the model's output has shape {shape} for a batch of {x.shape[0]}, but the data has "
+                f"{data.num_classes} classes: its last layer must output {data.num_classes} logits per sample"
+            )
+        try:
+            with torch.no_grad():
+                values = self.per_sample_loss(out, y)
+        except Exception as exc:  # noqa: BLE001 - reported with the shapes
+            raise ValueError(
+                f"the loss {self._loss_name!r} cannot take the model's outputs {shape} with the data's {data.task} "
+                f"targets {tuple(y.shape)} ({y.dtype}): {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(values, Tensor) or tuple(values.shape) != (x.shape[0],):
+            raise ValueError(
+                f"the loss {self._loss_name!r} must give one value per sample (shape [{x.shape[0]}]), got "
+                f"{tuple(getattr(values, 'shape', ()))}; a torch.nn loss needs reduction='none'"
+            )
+        for key, metric in ClientMetrics(self._metric_specs(data), 1).builtin.items():
+            try:
+                v = metric.per_sample(out, y)
+            except Exception as exc:  # noqa: BLE001 - reported with the shapes
+                raise ValueError(
+                    f"metric {key!r} cannot take the model's outputs {shape} with targets {tuple(y.shape)} "
+                    f"({y.dtype}): {type(exc).__name__}: {exc}"
+                ) from exc
+            if tuple(v.shape) != (x.shape[0],):
+                raise ValueError(f"metric {key!r} gives shape {tuple(v.shape)} for {x.shape[0]} samples")
 
     def _round(self) -> int:
         """Rounds trained so far: ``global_step``, or the loaded checkpoint's round under ``test``/``validate``."""
         return max(int(self.global_step), self._loaded_round)
 
-    @staticmethod
-    def _use_batch_statistics(model: nn.Module) -> None:
-        """Switch BatchNorm layers that track running statistics to per-batch statistics.
+    def _keep_running_statistics_per_client(self, num_clients: int) -> None:
+        """BatchNorm layers with running statistics keep them **per client** (client state).
 
-        Running statistics are buffers a functional client step would have to mutate in place,
-        which ``torch.func`` transforms forbid (and which would mix clients' statistics). With
-        batch statistics the layer is a pure function, so clients run batched.
+        :func:`~lightning_fedmeta.running_stats.prepare_model` makes the layers functional: a client's
+        step advances its own running mean and variance (PyTorch's update rule, over the batch's real
+        samples) and returns them. A client that trained keeps its statistics and is evaluated with them
+        (as FedBN keeps BatchNorm local, Li et al., ICLR 2021); the module's own buffers are the
+        sample-weighted mean of the statistics the last round's clients returned (FedAvg of the
+        buffers), and every client that never trained starts from and is evaluated with those.
         """
-        names = [
-            n for n, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-        ]
-        if names:
-            torch.func.replace_all_batch_norm_modules_(model)
-            rank_zero_info(
-                f"[lightning_fedmeta] BatchNorm layers ({', '.join(names[:3])}) now use batch statistics "
-                "(each batch's mean and variance) in training and evaluation: running statistics cannot be "
-                "updated inside a functional client step; prefer GroupNorm or LayerNorm for small clients"
-            )
+        assert self.model is not None
+        self.stat_names = prepare_model(self.model)
+        if not self.stat_names:
+            self.client_buffers = ClientStateStore()
+            return
+        stored = self.client_buffers.state_dict()
+        if sorted(stored) != sorted(self.stat_names) or next(iter(stored.values())).shape[0] != num_clients:
+            self.client_buffers = ClientStateStore(client_buffers(self.model, num_clients, self.stat_names))
+        layers = sorted({n.rsplit(".", 1)[0] for n in self.stat_names})
+        rank_zero_info(
+            f"[lightning_fedmeta] BatchNorm running statistics ({', '.join(layers[:3])}"
+            f"{', ...' if len(layers) > 3 else ''}) are kept per client: each client trains and is evaluated "
+            "with its own; clients that never trained use the average of the last round's"
+        )
+
+    def _buffers_of(self, clients: Tensor) -> dict[str, Tensor]:
+        """The running statistics each listed client starts from: its own once it trained, else the module's."""
+        if not self.stat_names:
+            return {}
+        assert self.model is not None and self.seen is not None
+        rows = self.client_buffers.gather(clients)
+        seen = self.seen[clients.cpu()].to(self.device)
+        own = dict(self.model.named_buffers())
+        return {
+            name: torch.where(seen.reshape(-1, *([1] * (v.dim() - 1))), v, own[name].to(v.dtype).expand_as(v))
+            for name, v in rows.items()
+        }
 
     def _global_params(self) -> Params:
         assert self.model is not None
@@ -339,8 +477,11 @@ class FederatedModule(LightningModule):
         if self.data.train_x.device != self.device:
             self.data = self.data.to(self.device)
         self.client_states.to(self.device)
+        self.client_buffers.to(self.device)
         self.server_state = map_state(lambda v: v.to(self.device), self.server_state)
-        self.ctx = ClientContext(self.model, {n: b for n, b in self.model.named_buffers()})
+        self.ctx = ClientContext(self.model, {n: b for n, b in self.model.named_buffers()},
+                                 per_sample_loss=self.per_sample_loss)  # type: ignore[arg-type]
+        self.metric = self.metric.to(self.device)
         self._placed_on = self.device
 
     def configure_optimizers(self) -> Any:
@@ -410,8 +551,12 @@ class FederatedModule(LightningModule):
         batches: Batch,
         state: dict[str, Tensor],
         record: ClientRecord,
-    ) -> ClientOutput:
-        return self.algorithm.client_update(self.ctx, params, batches, state, server_state, record)
+        buffers: dict[str, Tensor],
+    ) -> tuple[ClientOutput, dict[str, Tensor]]:
+        """One client's local procedure, and its running statistics after it (``{}`` without BatchNorm)."""
+        ctx = self.ctx.for_client(buffers) if buffers else self.ctx
+        out = self.algorithm.client_update(ctx, params, batches, state, server_state, record)
+        return out, ctx.updated_buffers()
 
     def compute_round(self, round_idx: int) -> tuple[Tensor, ClientOutput, Tensor]:
         """Sample the round's clients and run their local procedures (all ranks combined)."""
@@ -421,17 +566,20 @@ class FederatedModule(LightningModule):
         batches = self._batches("train", round_idx, local, self.algorithm.round_plan())
         states = self.client_states.gather(local)
         seeds = [stable_seed(self.seed, "dropout", round_idx, int(c)) for c in local]
-        out = run_clients(
-            self._client_fn, (self._global_params(), self.server_state), (batches, states, self.records(local)),
+        out, buffers = run_clients(
+            self._client_fn, (self._global_params(), self.server_state),
+            (batches, states, self.records(local), self._buffers_of(local)),
             local.numel(), self.batching, self.client_chunk_size, seeds, self._compiled,
             label=f"{type(self.algorithm).__name__}.client_update",
         )
-        out = self._combine_ranks(out, positions, sampled.numel())
+        out, buffers = self._combine_ranks((out, buffers), positions, sampled.numel())
+        weights = self._weights(sampled)
+        self._round_buffers = (sampled, buffers, weights) if buffers else None
         if "client_update" not in self._validated:  # once: later rounds cost nothing
             validate_client_output(self.algorithm, out, self._global_params(), self.client_states.tensors,
                                    sampled.numel(), strict_dtypes=not torch.is_autocast_enabled(self.device.type))
             self._validated.add("client_update")
-        return sampled, out, self._weights(sampled)
+        return sampled, out, weights
 
     def commit_round(self, sampled: Tensor, out: ClientOutput, server_state: dict[str, Tensor]) -> None:
         """Write a finished round back: the sampled clients' states, the server state, and their records'
@@ -439,7 +587,22 @@ class FederatedModule(LightningModule):
         assert self.seen is not None
         self.client_states.scatter(sampled, out.state)
         self.server_state = server_state
+        if self._round_buffers is not None and torch.equal(self._round_buffers[0], sampled):
+            self._commit_running_statistics(*self._round_buffers)
+        self._round_buffers = None
         self.seen[sampled.cpu()] = True
+
+    def _commit_running_statistics(self, sampled: Tensor, buffers: dict[str, Tensor], weights: Tensor) -> None:
+        """Store the round's clients' running statistics, and set the module's to their weighted mean."""
+        assert self.model is not None
+        self.client_buffers.scatter(sampled, buffers)
+        own = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, stacked in buffers.items():
+                if stacked.is_floating_point():
+                    own[name].copy_(weighted_sum(weights, stacked))
+                else:  # num_batches_tracked: the weighted mean, rounded
+                    own[name].copy_(weighted_sum(weights.double(), stacked.double()).round().to(own[name].dtype))
 
     def _check_finite(self, round_idx: int, sampled: Tensor, out: ClientOutput) -> None:
         assert self.data is not None
@@ -496,12 +659,28 @@ class FederatedModule(LightningModule):
         test: Batch,
         state: dict[str, Tensor],
         record: ClientRecord,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        w = self.algorithm.personalize(self.ctx, params, adapt, state, server_state, record)
-        return self.ctx.accuracy_counts(w, test)
+        buffers: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
+        """One client's personalised model scored on its padded test set: masked sums of the loss and of
+        each built-in metric's per-sample values, the number of real samples, and (when torchmetrics
+        metrics are kept) the outputs themselves. BatchNorm layers use the client's running statistics."""
+        ctx = self.ctx.for_client(buffers) if buffers else self.ctx
+        w = self.algorithm.personalize(ctx, params, adapt, state, server_state, record)
+        outputs = ctx.predict(w, test.x)
+        losses = ctx.per_sample_loss(outputs, test.y)
+        mask = test.mask.to(losses.dtype)
+        result = {"total": mask.sum(), "loss_sum": (losses * mask).sum()}
+        functions = self.metric.builtin_functions()
+        if functions:
+            result["builtin"] = torch.stack([(f(outputs, test.y).to(mask.dtype) * mask).sum() for f in functions])
+        if self.metric.needs_outputs:
+            result["outputs"] = outputs
+        return result
 
-    def evaluate_clients(self, clients: Tensor, round_idx: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``(correct, total, loss_sum)`` of each listed client with its personalised model."""
+    def evaluate_clients(self, clients: Tensor, round_idx: int) -> dict[str, Tensor]:
+        """Each listed client's personalised model scored on its test set, stacked over the clients:
+        ``total`` (test samples), ``loss_sum``, ``builtin`` (``[C, B]`` sums of the built-in metrics, in
+        the order of ``metric.builtin``) and, with torchmetrics metrics, ``outputs``, ``targets``, ``mask``."""
         assert self.data is not None
         params = self._global_params()
         adapt = self._batches("adapt", round_idx, clients, self.algorithm.eval_plan())
@@ -511,10 +690,19 @@ class FederatedModule(LightningModule):
         # evaluation touches every client: chunk it even when training runs all sampled clients at once
         chunk = self.client_chunk_size or max(self.num_sampled, 100)  # None trains all at once; evaluation chunks
         with torch.inference_mode(False), torch.enable_grad():
-            return run_clients(
-                self._eval_fn, (params, self.server_state), (adapt, test, states, self.records(clients)),
+            out = run_clients(
+                self._eval_fn, (params, self.server_state),
+                (adapt, test, states, self.records(clients), self._buffers_of(clients)),
                 clients.numel(), self.batching, chunk, seeds, label=f"{type(self.algorithm).__name__}.personalize",
             )
+        if "outputs" in out:
+            out = {**out, "targets": test.y, "mask": test.mask}
+        return out
+
+    def accuracy_of(self, scores: dict[str, Tensor], key: str = "acc") -> Tensor:
+        """Per-client values of built-in metric ``key`` from :meth:`evaluate_clients`' sums."""
+        col = list(self.metric.builtin).index(key)
+        return scores["builtin"][:, col] / scores["total"].clamp_min(1)
 
     def _evaluate(self, stage: str) -> dict[str, dict[str, Tensor]]:
         self._on_device()
@@ -527,9 +715,13 @@ class FederatedModule(LightningModule):
         self.metric = self.metric.to(self.device)
         self.metric.reset()
         if clients.numel():
-            correct, total, loss_sum = self.evaluate_clients(clients, r)
-            self.metric.update(clients, correct, total, loss_sum)
+            scores = self.evaluate_clients(clients, r)
+            self.metric.update(clients, scores)
+            if "outputs" in scores:
+                self.metric.update_outputs(clients, scores["outputs"], scores["targets"], scores["mask"])
         self.model.train(was_training)  # type: ignore[union-attr]
+        world = self.trainer.world_size if self._trainer is not None else 1
+        self.metric.sync(clients, None if world == 1 else lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
         groups = {"clients": self.eligible, "new": self.holdout}
         summary = self.metric.summaries(groups)
         for group, values in summary.items():
@@ -537,12 +729,17 @@ class FederatedModule(LightningModule):
                 continue
             prefix = f"{stage}/" if group == "clients" else f"{stage}/new/"
             for name, v in values.items():
-                self.log(prefix + name, v.float(), prog_bar=(group == "clients" and name == "acc_weighted"),
-                         batch_size=1, sync_dist=False)
+                bar = group == "clients" and name == f"{self.primary_metric}_weighted"
+                self.log(prefix + name, v.float(), prog_bar=bar, batch_size=1, sync_dist=False)
         self.last_summary = summary
-        self.last_per_client_accuracy = summary["_per_client"]["accuracy"].cpu()
         self.last_per_client = {k: v.cpu() for k, v in summary["_per_client"].items()}
         return summary
+
+    @property
+    def last_per_client_accuracy(self) -> Tensor | None:
+        """Deprecated alias: the primary metric's per-client values of the last evaluation
+        (``last_per_client[primary_metric]``)."""
+        return self.last_per_client.get(self.primary_metric) if self.last_per_client else None
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("val")
@@ -562,8 +759,17 @@ class FederatedModule(LightningModule):
         path = self.write_per_client_csv(directory)
         rank_zero_info(f"per-client test accuracy written to {path}")
 
+    def _restore_metric_state(self, state: dict[str, Tensor]) -> None:
+        """Load saved per-client metric states and the summaries they give (as after that evaluation)."""
+        self.metric.load_state_dict(state)
+        if float(self.metric.total.sum()) > 0:
+            summary = self.metric.summaries({"clients": self.eligible, "new": self.holdout})
+            self.last_summary = summary
+            self.last_per_client = {k: v.cpu() for k, v in summary["_per_client"].items()}
+
     def write_per_client_csv(self, directory: str) -> str:
-        """Write ``test_per_client.csv`` (client, index, held_out, n_test, accuracy, loss) into ``directory``."""
+        """Write ``test_per_client.csv`` (client, index, held_out, n_test, one column per metric, loss) into
+        ``directory``."""
         import csv
         import os
 
@@ -573,11 +779,11 @@ class FederatedModule(LightningModule):
         pc = self.last_per_client
         with open(path, "w", newline="") as fh:
             writer = csv.writer(fh)
-            writer.writerow(["client", "index", "held_out", "n_test", "accuracy", "loss"])
+            keys = list(self.metric_directions)  # the metrics, then the loss
+            writer.writerow(["client", "index", "held_out", "n_test", *keys])
             for i, name in enumerate(self.data.client_names):
                 writer.writerow([
-                    name, i, int(self.is_holdout[i]), int(pc["total"][i]),
-                    f"{float(pc['accuracy'][i]):.6f}", f"{float(pc['loss'][i]):.6f}",
+                    name, i, int(self.is_holdout[i]), int(pc["total"][i]), *(f"{float(pc[k][i]):.6f}" for k in keys),
                 ])
         return path
 
@@ -610,9 +816,13 @@ class FederatedModule(LightningModule):
             states = self.client_states.gather(clients)
             record = self.records(clients)
             batches = Batch(adapt.x[0], adapt.y[0], adapt.mask[0])
+            buffers = {k: v[0] for k, v in self._buffers_of(clients).items()}
         else:
             batches, states, record = self._new_client_batches(client, r, params)
+            buffers = {}  # a new client: the module's own running statistics
         ctx = self.ctx if self.data is not None else ClientContext(self.model)
+        if buffers:
+            ctx = ctx.for_client(buffers)
         server_state = map_state(lambda v: v.to(self.device), self.server_state)
         was_training = self.model.training
         self.model.eval()  # adapt exactly as the evaluation does (dropout off, batch statistics as scored)
@@ -628,6 +838,9 @@ class FederatedModule(LightningModule):
         with torch.no_grad():
             for name, p in personal.named_parameters():
                 p.copy_(w[name])
+            own = dict(personal.named_buffers())
+            for name, v in buffers.items():  # the client's running statistics
+                own[name].copy_(v)
         return personal.eval()
 
     def _new_client_batches(
@@ -635,16 +848,17 @@ class FederatedModule(LightningModule):
     ) -> tuple[Batch, dict[str, Tensor], ClientRecord]:
         """Evaluation-time adaptation batches, a fresh state and a record (index −1, new, never trained,
         weight 0) for a client known only by its data."""
-        x = torch.as_tensor(data[0], dtype=torch.float32, device=self.device)
-        y = torch.as_tensor(data[1], dtype=torch.long, device=self.device).reshape(-1)
-        if y.numel() == 0 or x.shape[0] != y.numel():
+        x = _as_inputs(data[0]).to(self.device)
+        y = _as_targets(data[1]).to(self.device)
+        if y.dim() == 0 or y.shape[0] == 0 or x.shape[0] != y.shape[0]:
             raise ValueError(
-                f"a new client's data needs as many labels as inputs (> 0), got {x.shape[0]} and {y.numel()}"
+                f"a new client's data needs as many targets as inputs (> 0), got {x.shape[0]} and "
+                f"{y.shape[0] if y.dim() else 0}"
             )
-        counts = torch.tensor([y.numel()])
+        counts = torch.tensor([y.shape[0]])
         idx, mask = draw_batch_indices(
-            self.seed, "adapt-new", round_idx, torch.tensor([0]), torch.tensor([0, y.numel()]),
-            self.algorithm.eval_plan(), y.numel(),
+            self.seed, "adapt-new", round_idx, torch.tensor([0]), torch.tensor([0, y.shape[0]]),
+            self.algorithm.eval_plan(), y.shape[0],
         )
         idx = idx[0].to(self.device)
         record = ClientRecord(
@@ -665,10 +879,14 @@ class FederatedModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fedmeta"] = {
             "client_state": self.client_states.state_dict(),
+            "client_buffers": self.client_buffers.state_dict(),
             "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
             "data_spec": self._data_spec,
             "round": int(self.global_step),
             "seen": None if self.seen is None else self.seen.clone(),
+            # the last evaluation's per-client metric states (a resumed run reports the same per-client values)
+            "metric_state": self.metric.state_dict() if hasattr(self, "metric") else None,
+            "loss": getattr(self, "_loss_name", None),
             # checkpoints load with weights_only=True, so the architecture is named, not pickled
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
         }
@@ -678,6 +896,7 @@ class FederatedModule(LightningModule):
         if saved is None:
             raise ValueError("this checkpoint was not written by lightning_fedmeta.FederatedModule")
         self.client_states.load_state_dict(saved["client_state"])
+        self.client_buffers.load_state_dict(saved.get("client_buffers") or {})
         self._placed_on = None
         self.server_state = unflatten_state({k: v.clone() for k, v in saved["server_state"].items()})
         self._data_spec = saved.get("data_spec")
@@ -692,8 +911,21 @@ class FederatedModule(LightningModule):
             if self.seen is not None:
                 self.seen.zero_()
         self._loaded_round = int(checkpoint.get("global_step", 0))
+        metric_state = saved.get("metric_state")
+        if metric_state is not None:
+            if hasattr(self, "metric") and self.data is not None:
+                self._restore_metric_state(metric_state)
+            else:
+                self._pending_metric_state = metric_state
+        trained_loss = saved.get("loss")
+        current = getattr(self, "_loss_name", None)
+        if trained_loss is not None and current is not None and trained_loss != current:
+            raise ValueError(
+                f"this checkpoint was trained with loss {trained_loss!r}, this module uses {current!r}; pass "
+                "the same loss again (FederatedModule.load_from_checkpoint(path, loss=...))"
+            )
         if self.model is None and self._data_spec is not None:
-            model = default_model(tuple(self._data_spec["input_shape"]), int(self._data_spec["num_classes"]))
+            model = _default_model_for(self._data_spec)
             trained = saved.get("model_class")
             built = f"{type(model).__module__}.{type(model).__qualname__}"
             if trained is not None and trained != built:

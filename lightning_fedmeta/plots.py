@@ -1,4 +1,4 @@
-"""Pictures of a federated run: personalised accuracy against communication rounds, and per client.
+"""Pictures of a federated run: a personalised metric against communication rounds, and per client.
 
 Every function draws on a fresh :class:`matplotlib.figure.Figure` rendered by the Agg canvas
 (no ``pyplot``, no global backend switch, no display needed) and writes one PNG.
@@ -7,16 +7,24 @@ A run's *history* is the list written to ``fedmeta_history.json`` by
 :class:`~lightning_fedmeta.callbacks.PlotCallback`: one record per evaluation,
 ``{"round": r, "stage": "val" | "test", "metrics": {"val/acc_weighted": ..., ...}}``, where
 ``round`` is the number of completed communication rounds (``trainer.global_step``) and the
-metric names are the ones :class:`~lightning_fedmeta.FederatedModule` logs:
+metric names are the ones :class:`~lightning_fedmeta.FederatedModule` logs for every metric key
+``m`` it evaluates (``acc`` by default for classification, ``loss`` always):
 
-* ``{stage}/acc_weighted`` = Σ_c correct_c / Σ_c total_c over the training clients,
-* ``{stage}/acc_worst10``  = mean accuracy of the worst ⌈K/10⌉ training clients,
+* ``{stage}/{m}_weighted`` = the metric over the training clients' pooled test samples
+  (for accuracy: Σ_c correct_c / Σ_c total_c),
+* ``{stage}/{m}_worst10``  = mean of the worst ⌈K/10⌉ training clients, *worst* following the
+  metric's direction (the lowest accuracies, the highest errors),
 * ``{stage}/new/...``      = the same over held-out (never trained) clients.
+
+Each drawing function takes the metric key (``metric``, default ``"acc"``) and its direction
+(``higher_is_better``, default ``True``). Accuracy (``acc`` or ``accuracy``) keeps the fixed
+0..1 axis; any other metric is autoscaled.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,21 +35,52 @@ from matplotlib.figure import Figure
 
 __all__ = [
     "HistoryRecord",
+    "metric_file_names",
+    "metric_label",
     "metric_series",
     "plot_accuracy_vs_round",
     "plot_client_accuracy_hist",
+    "plot_client_metric_hist",
     "plot_compare",
+    "plot_metric_vs_round",
+    "worst_decile_mean",
 ]
 
 HistoryRecord = Mapping[str, Any]
 
-# (metric suffix, legend text, line style) of the curves of one run
+# metric keys drawn as an accuracy: labelled "accuracy", on a fixed 0..1 axis
+_ACCURACY_KEYS = ("acc", "accuracy")
+
+# (metric-name suffix after "{metric}", legend text, line style) of the curves of one run
 _CURVES: tuple[tuple[str, str, str], ...] = (
-    ("acc_weighted", "weighted mean", "-"),
-    ("acc_worst10", "worst 10% of clients", "--"),
-    ("new/acc_weighted", "new clients: weighted mean", "-."),
-    ("new/acc_worst10", "new clients: worst 10%", ":"),
+    ("_weighted", "weighted mean", "-"),
+    ("_worst10", "worst 10% of clients", "--"),
+    ("new/_weighted", "new clients: weighted mean", "-."),
+    ("new/_worst10", "new clients: worst 10%", ":"),
 )
+
+
+def _curve_name(metric: str, suffix: str) -> str:
+    """``"_weighted"`` -> ``"acc_weighted"``; ``"new/_worst10"`` -> ``"new/acc_worst10"``."""
+    head, _, tail = suffix.rpartition("/")
+    return f"{head}/{metric}{tail}" if head else f"{metric}{tail}"
+
+
+def metric_label(metric: str) -> str:
+    """The words for a metric key on an axis: ``"acc"`` -> ``"accuracy"``, anything else unchanged."""
+    return "accuracy" if metric in _ACCURACY_KEYS else metric
+
+
+def metric_file_names(metric: str = "acc") -> tuple[str, str]:
+    """The PNG names of :class:`~lightning_fedmeta.callbacks.PlotCallback` for a metric key:
+    ``(curve, histogram)``.
+
+    ``"acc"`` keeps the historical ``("accuracy_vs_round.png", "client_accuracy_hist.png")``; any
+    other key gives ``("{metric}_vs_round.png", "client_{metric}_hist.png")``, with characters
+    other than letters, digits, ``_``, ``-`` and ``.`` replaced by ``_``.
+    """
+    name = "accuracy" if metric == "acc" else (re.sub(r"[^A-Za-z0-9_.-]", "_", metric) or "metric")
+    return f"{name}_vs_round.png", f"client_{name}_hist.png"
 
 
 def metric_series(history: Sequence[HistoryRecord], name: str) -> tuple[list[int], list[float]]:
@@ -60,6 +99,20 @@ def metric_series(history: Sequence[HistoryRecord], name: str) -> tuple[list[int
     return rounds, [points[r] for r in rounds]
 
 
+def worst_decile_mean(values: Sequence[float] | np.ndarray, higher_is_better: bool = True) -> float:
+    """Mean of the worst ⌈K/10⌉ of ``values`` (non-finite ones left out), as ``{metric}_worst10``.
+
+    Worst means lowest when ``higher_is_better`` (accuracy, F1), highest otherwise (loss, MSE);
+    ``nan`` when no value is finite.
+    """
+    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    arr = np.sort(arr[np.isfinite(arr)])
+    if arr.size == 0:
+        return math.nan
+    k = max(1, math.ceil(arr.size / 10))
+    return float((arr[:k] if higher_is_better else arr[-k:]).mean())
+
+
 def _new_figure(width: float = 7.0, height: float = 4.5) -> Figure:
     fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
@@ -73,29 +126,59 @@ def _save(fig: Figure, path: str | Path) -> Path:
     return out
 
 
-def _style_accuracy_axes(ax: Any, title: str) -> None:
+def _default_title(metric: str) -> str:
+    return f"Personalised {metric_label(metric)} vs. round"
+
+
+def _fixed_unit_range(metric: str, values: Sequence[float] | np.ndarray) -> bool:
+    """Whether to draw on the fixed 0..1 axis: an accuracy whose values all lie in [0, 1]."""
+    arr = np.asarray(values, dtype=np.float64)
+    return metric in _ACCURACY_KEYS and bool(np.all((arr >= 0.0) & (arr <= 1.0)))
+
+
+def _style_metric_axes(ax: Any, title: str, metric: str, higher_is_better: bool, unit_range: bool) -> None:
     ax.set_title(title)
     ax.set_xlabel("communication round")
-    ax.set_ylabel("personalised test accuracy")
-    ax.set_ylim(-0.02, 1.02)
+    direction = "" if higher_is_better else " (lower is better)"
+    ax.set_ylabel(f"personalised test {metric_label(metric)}{direction}")
+    if unit_range:
+        ax.set_ylim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
 
 
-def plot_accuracy_vs_round(
-    history: Sequence[HistoryRecord], path: str | Path, title: str = "Personalised accuracy vs. round"
+def plot_metric_vs_round(
+    history: Sequence[HistoryRecord],
+    path: str | Path,
+    title: str | None = None,
+    *,
+    metric: str = "acc",
+    higher_is_better: bool = True,
 ) -> Path:
-    """Accuracy of the clients' personalised models after each evaluation.
+    """A personalised metric of the clients' models after each evaluation.
 
-    Draws the validation curves (weighted mean, worst decile, and the new-client curves when
-    held-out clients exist) and the test evaluations as separate markers. Returns the PNG path.
+    Draws the validation curves of ``{stage}/{metric}_weighted`` and ``_worst10`` (plus the
+    new-client curves when held-out clients exist) and the test evaluations as separate markers.
+    Accuracy is drawn on a 0..1 axis, other metrics are autoscaled; the y label names the metric
+    and says "lower is better" when ``higher_is_better`` is false.
+
+    Args:
+        history: the evaluation records (see the module docstring).
+        path: the PNG to write.
+        title: the plot's title; ``None`` gives ``"Personalised {metric} vs. round"``.
+        metric: the metric key, e.g. ``"acc"``, ``"f1"``, ``"mse"``.
+        higher_is_better: the metric's direction (only the label depends on it: the logged worst
+            decile already follows the direction).
+
+    Returns:
+        The PNG path.
     """
     fig = _new_figure(9.0, 4.5)
     ax = fig.add_subplot()
-    drawn = 0
+    drawn: list[float] = []
     for stage, marker in (("val", "o"), ("test", "*")):
         for suffix, label, style in _CURVES:
-            rounds, values = metric_series(history, f"{stage}/{suffix}")
+            rounds, values = metric_series(history, f"{stage}/{_curve_name(metric, suffix)}")
             if not rounds:
                 continue
             color = "tab:blue" if not suffix.startswith("new/") else "tab:orange"
@@ -105,77 +188,138 @@ def plot_accuracy_vs_round(
             else:
                 ax.plot(rounds, values, linestyle=style, marker=marker, markersize=4, color=color,
                         label=f"validation: {label}")
-            drawn += 1
-    if drawn == 0:
+            drawn.extend(values)
+    if not drawn:
         ax.text(0.5, 0.5, "no evaluation recorded yet", ha="center", va="center", transform=ax.transAxes)
-    _style_accuracy_axes(ax, title)
+    _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better,
+                       _fixed_unit_range(metric, drawn))
     if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return _save(fig, path)
 
 
-def plot_client_accuracy_hist(
-    accuracy: Sequence[float] | np.ndarray,
+def _hist_edges(values: np.ndarray, bins: int, unit_range: bool) -> np.ndarray:
+    if unit_range or values.size == 0:
+        return np.linspace(0.0, 1.0, bins + 1)
+    lo, hi = float(values.min()), float(values.max())
+    if hi - lo <= 1e-12 * max(1.0, abs(lo)):
+        pad = 0.5 if lo == 0.0 else 0.05 * abs(lo)
+        lo, hi = lo - pad, hi + pad
+    return np.linspace(lo, hi, bins + 1)
+
+
+def plot_client_metric_hist(
+    values: Sequence[float] | np.ndarray,
     path: str | Path,
     is_new: Sequence[bool] | np.ndarray | None = None,
     round_idx: int | None = None,
     bins: int = 20,
+    *,
+    metric: str = "acc",
+    higher_is_better: bool = True,
 ) -> Path:
-    """Histogram of per-client personalised accuracy (training and new clients stacked).
+    """Histogram of a per-client personalised metric (training and new clients stacked).
 
-    Vertical lines mark the unweighted mean and the worst-decile mean of the training clients
-    (the worst decile is the mean of the ⌈K/10⌉ lowest accuracies, as in ``acc_worst10``).
+    Vertical lines mark the unweighted mean and the worst-decile mean of the training clients. The
+    worst decile is the mean of the ⌈K/10⌉ worst clients by the metric's direction, as in
+    ``{metric}_worst10``: the lowest values when ``higher_is_better``, else the highest (so it lies
+    at the high end of the histogram for an error such as ``mse``). Accuracy is binned over 0..1,
+    other metrics over their range. Clients with a non-finite value are left out.
+
+    Args:
+        values: one value per client.
+        path: the PNG to write.
+        is_new: one flag per client, true for held-out clients; ``None``: all are training clients.
+        round_idx: the round of the evaluation, shown in the title.
+        bins: the number of bins.
+        metric: the metric key, e.g. ``"acc"``, ``"f1"``, ``"mse"``.
+        higher_is_better: the metric's direction.
+
+    Returns:
+        The PNG path.
+
+    Raises:
+        ValueError: ``is_new`` does not have one entry per client.
     """
-    acc = np.asarray(accuracy, dtype=np.float64).reshape(-1)
-    new = np.zeros(acc.shape, dtype=bool) if is_new is None else np.asarray(is_new, dtype=bool).reshape(-1)
-    if new.shape != acc.shape:
-        raise ValueError(f"is_new has {new.size} entries but accuracy has {acc.size}")
+    vals = np.asarray(values, dtype=np.float64).reshape(-1)
+    new = np.zeros(vals.shape, dtype=bool) if is_new is None else np.asarray(is_new, dtype=bool).reshape(-1)
+    if new.shape != vals.shape:
+        raise ValueError(f"is_new has {new.size} entries but {metric_label(metric)} has {vals.size}")
+    finite = np.isfinite(vals)
+    vals, new = vals[finite], new[finite]
+    unit_range = _fixed_unit_range(metric, vals)
     fig = _new_figure()
     ax = fig.add_subplot()
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    groups = [(acc[~new], f"training clients ({int((~new).sum())})", "tab:blue")]
+    edges = _hist_edges(vals, bins, unit_range)
+    groups = [(vals[~new], f"training clients ({int((~new).sum())})", "tab:blue")]
     if new.any():
-        groups.append((acc[new], f"new clients ({int(new.sum())})", "tab:orange"))
+        groups.append((vals[new], f"new clients ({int(new.sum())})", "tab:orange"))
     ax.hist([g[0] for g in groups], bins=edges, stacked=True, color=[g[2] for g in groups],
             label=[g[1] for g in groups], edgecolor="white")
-    trained = acc[~new] if (~new).any() else acc
+    trained = vals[~new] if (~new).any() else vals
     if trained.size:
-        worst = np.sort(trained)[: max(1, math.ceil(trained.size / 10))].mean()
-        ax.axvline(trained.mean(), color="black", linestyle="-", label=f"mean {trained.mean():.3f}")
-        ax.axvline(worst, color="tab:red", linestyle="--", label=f"worst 10% mean {worst:.3f}")
+        worst = worst_decile_mean(trained, higher_is_better)
+        fmt = ".3f" if unit_range else ".4g"
+        which = "" if higher_is_better else " (highest)"
+        ax.axvline(trained.mean(), color="black", linestyle="-", label=f"mean {trained.mean():{fmt}}")
+        ax.axvline(worst, color="tab:red", linestyle="--", label=f"worst 10% mean{which} {worst:{fmt}}")
+    label = metric_label(metric)
     when = "" if round_idx is None else f" after round {round_idx}"
-    ax.set_title(f"Per-client personalised accuracy{when}")
-    ax.set_xlabel("client test accuracy")
+    ax.set_title(f"Per-client personalised {label}{when}")
+    direction = "" if higher_is_better else " (lower is better)"
+    ax.set_xlabel(f"client test {label}{direction}")
     ax.set_ylabel("number of clients")
-    ax.set_xlim(0.0, 1.0)
+    if unit_range:
+        ax.set_xlim(0.0, 1.0)
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper left", fontsize="small")
+    ax.legend(loc="upper left" if higher_is_better else "best", fontsize="small")
     return _save(fig, path)
+
+
+# the historical names: the same functions, accuracy by default
+plot_accuracy_vs_round = plot_metric_vs_round
+plot_client_accuracy_hist = plot_client_metric_hist
 
 
 def plot_compare(
     runs: Mapping[str, Sequence[HistoryRecord]],
     path: str | Path,
     stage: str = "val",
-    title: str = "Personalised accuracy vs. round",
+    title: str | None = None,
+    *,
+    metric: str = "acc",
+    higher_is_better: bool = True,
 ) -> Path:
-    """Several runs on one plot: weighted mean (solid) and worst decile (dashed) per run."""
+    """Several runs on one plot: ``{stage}/{metric}_weighted`` (solid) and ``_worst10`` (dashed) per run.
+
+    Args:
+        runs: run name -> history records.
+        path: the PNG to write.
+        stage: ``"val"`` or ``"test"``.
+        title: the plot's title; ``None`` gives ``"Personalised {metric} vs. round"``.
+        metric: the metric key to draw.
+        higher_is_better: the metric's direction (shown in the y label).
+
+    Returns:
+        The PNG path.
+    """
     fig = _new_figure(9.5, 5.0)
     ax = fig.add_subplot()
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    drawn = 0
+    drawn: list[float] = []
     for color, (name, history) in zip(colors, runs.items(), strict=True):
         for suffix, label, style in _CURVES[:2]:
-            rounds, values = metric_series(history, f"{stage}/{suffix}")
+            rounds, values = metric_series(history, f"{stage}/{_curve_name(metric, suffix)}")
             if rounds:
                 ax.plot(rounds, values, linestyle=style, marker="o", markersize=3, color=color,
                         label=f"{name}: {label}")
-                drawn += 1
-    if drawn == 0:
-        ax.text(0.5, 0.5, f"no '{stage}/' accuracy in these runs", ha="center", va="center",
+                drawn.extend(values)
+    if not drawn:
+        ax.text(0.5, 0.5, f"no '{stage}/' {metric_label(metric)} in these runs", ha="center", va="center",
                 transform=ax.transAxes)
-    _style_accuracy_axes(ax, title)
+    _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better,
+                       _fixed_unit_range(metric, drawn))
     if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return _save(fig, path)

@@ -131,11 +131,12 @@ def test_vmap_requested_for_a_model_with_dropout_says_why() -> None:
         module.attach_data(tiny_data())
 
 
-def test_vmap_requested_for_a_model_with_batchnorm_runs_on_batch_statistics() -> None:
+def test_vmap_requested_for_a_model_with_batchnorm_runs_batched_with_per_client_statistics() -> None:
     model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
     module = FederatedModule(model=model, client_batching="vmap", clients_per_round=2)
     module.attach_data(tiny_data())
-    assert module.batching == "vmap" and not model[1].track_running_stats
+    assert module.batching == "vmap" and model[1].track_running_stats
+    assert module.client_buffers.tensors["1.running_mean"].shape == (6, 4)
 
 
 # ----------------------------------------------------------------------------------------------

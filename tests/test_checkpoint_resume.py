@@ -131,7 +131,7 @@ def test_a_new_client_personalised_from_its_data_matches_the_held_out_evaluation
     by_data = loaded.personalize((x, y))
     for (name, a), (_, b) in zip(by_index.named_parameters(), by_data.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
-    with pytest.raises(ValueError, match="as many labels as inputs"):
+    with pytest.raises(ValueError, match="as many targets as inputs"):
         loaded.personalize((x, y[:1]))
 
 

@@ -337,7 +337,7 @@ def test_held_out_clients_logged_evaluation_equals_personalize_and_uses_a_traine
             logits = personal(x)
         acc = (logits.argmax(1) == y).double().mean()
         loss = nn.functional.cross_entropy(logits, y).double()
-        assert float(per_client["accuracy"][i]) == pytest.approx(float(acc), abs=1e-12)
+        assert float(per_client["acc"][i]) == pytest.approx(float(acc), abs=1e-12)
         assert float(per_client["loss"][i]) == pytest.approx(float(loss), abs=1e-5)
         correct, total = correct + float(acc) * y.numel(), total + y.numel()
         # a trained cluster model, not an initialisation

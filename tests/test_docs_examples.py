@@ -29,7 +29,8 @@ import lightning
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ["README.md", "docs/index.md", "docs/plugins.md", "docs/testing.md"]
+DOCUMENTS = ["README.md", "docs/index.md", "docs/plugins.md", "docs/testing.md", "docs/tasks.md",
+             "docs/lightning_project.md"]
 
 # README's example is written "inside an existing Lightning project": `my_net` is the reader's own
 # network, and it trains 200 rounds of Ditto on Fashion-MNIST. The test supplies a network and stops

@@ -154,7 +154,7 @@ def test_user_cnn_with_dropout_on_user_dataset_runs_looped_and_says_why(
     assert 0.0 <= acc <= 1.0
 
 
-def test_batchnorm_with_running_stats_is_switched_to_batch_statistics_and_trains(
+def test_batchnorm_with_running_stats_keeps_them_per_client_and_trains_batched(
     tmp_path: Path, info_log: list[str]
 ) -> None:
     dm = FederatedDataModule(dataset=UserImageClients(), eval_every=2)
@@ -162,8 +162,9 @@ def test_batchnorm_with_running_stats_is_switched_to_batch_statistics_and_trains
     module = _fedavg(model=model)
     _trainer(tmp_path, 2).fit(module, dm)
     assert module.batching == "vmap"
-    assert model.bn.running_mean is None and not model.bn.track_running_stats
-    assert any("BatchNorm" in m and "batch statistics" in m for m in info_log)
+    assert model.bn.track_running_stats and model.bn.running_mean is not None
+    assert module.stat_names == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert any("BatchNorm running statistics" in m and "kept per client" in m for m in info_log)
     assert torch.isfinite(module.last_summary["clients"]["loss_weighted"])
 
 

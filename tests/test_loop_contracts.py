@@ -11,7 +11,7 @@ from conftest import make_trainer, tiny_data, tiny_datamodule
 from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.metrics import PersonalizedMetrics
+from lightning_fedmeta.metrics import ClientMetrics
 from lightning_fedmeta.sampling import draw_batch_indices, sample_clients
 from lightning_fedmeta.state import flatten_state
 
@@ -143,11 +143,11 @@ def test_personalized_metrics_weighted_mean_unweighted_mean_and_worst_decile() -
     correct = torch.tensor([9, 4, 10, 0, 7, 3, 5, 8, 2, 6, 1, 12], dtype=torch.float64)
     total = torch.tensor([10, 8, 10, 4, 10, 6, 5, 10, 8, 12, 5, 12], dtype=torch.float64)
     loss_sum = torch.tensor([1, 4, 0.5, 6, 2, 3, 0, 2, 8, 6, 5, 1], dtype=torch.float64)
-    metric = PersonalizedMetrics(12)
+    metric = ClientMetrics({"acc": "accuracy"}, 12)
     order = torch.tensor([3, 0, 11, 5, 1, 7, 2, 10, 4, 9, 6, 8])  # update order must not matter
-    metric.update(order[:5], correct[order[:5]], total[order[:5]], loss_sum[order[:5]])
-    metric.update(order[5:], correct[order[5:]], total[order[5:]], loss_sum[order[5:]])
-    out = metric.compute()
+    for part in (order[:5], order[5:]):
+        metric.update(part, {"total": total[part], "loss_sum": loss_sum[part], "builtin": correct[part, None]})
+    out = metric.summaries({"all": torch.arange(12)})["all"]
 
     acc = [c / t for c, t in zip(correct.tolist(), total.tolist(), strict=True)]
     loss = [s / t for s, t in zip(loss_sum.tolist(), total.tolist(), strict=True)]
@@ -164,7 +164,7 @@ def test_personalized_metrics_weighted_mean_unweighted_mean_and_worst_decile() -
     assert "empty" not in groups
     assert groups["a"]["acc_weighted"].item() == pytest.approx(13 / 18)
     assert groups["a"]["acc_mean"].item() == pytest.approx((0.9 + 0.5) / 2)
-    torch.testing.assert_close(groups["_per_client"]["accuracy"], correct / total)
+    torch.testing.assert_close(groups["_per_client"]["acc"], correct / total)
     torch.testing.assert_close(groups["_per_client"]["loss"], loss_sum / total)
 
 

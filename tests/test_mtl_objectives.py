@@ -267,14 +267,15 @@ def test_mtl_mean_held_out_clients_are_evaluated_with_the_global_mean_model() ->
     held = module.holdout
     assert held.numel() == 2
     w_bar = module._global_params()
-    correct, total, loss_sum = module.evaluate_clients(held, 4)
+    scores = module.evaluate_clients(held, 4)
+    correct, total, loss_sum = scores["builtin"][:, 0], scores["total"], scores["loss_sum"]
     x_y = [module.data.client_test(int(c)) for c in held]
     for i, (x, y) in enumerate(x_y):
         logits = module.ctx.predict(w_bar, x)
         assert int(correct[i]) == int((logits.argmax(1) == y).sum())
         torch.testing.assert_close(loss_sum[i], nn.functional.cross_entropy(logits, y, reduction="sum"))
     # the logged per-client accuracy of the last evaluation is the same number
-    acc = module.last_per_client["accuracy"][held]
+    acc = module.last_per_client["acc"][held]
     torch.testing.assert_close(acc.double(), (correct.double() / total.double()).cpu())
     personal = module.personalize(int(held[0]))
     for n, v in personal.named_parameters():

@@ -61,9 +61,9 @@ def test_the_training_loader_of_a_resumed_trainer_runs_to_the_next_multiple_of_e
 def _table(text: str) -> tuple[int, list[float]]:
     """The round and the ``clients`` row of the last summary table printed."""
     rounds = re.findall(r"Personalized evaluation after round (\d+)", text)
-    rows = re.findall(r"^clients\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s*$", text, flags=re.M)
+    rows = re.findall(r"^clients((?:\s+[0-9.]+)+)\s*$", text, flags=re.M)
     assert rounds and rows, text[-3000:]
-    return int(rounds[-1]), [float(v) for v in rows[-1]]
+    return int(rounds[-1]), [float(v) for v in rows[-1].split()]
 
 
 def test_a_fit_ends_with_an_evaluation_of_the_final_round(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -83,7 +83,8 @@ def test_a_fit_ends_with_an_evaluation_of_the_final_round(tmp_path: Path, caplog
     for name in METRICS:
         assert final[f"val/{name}"] == pytest.approx(float(summary[name]), abs=1e-7), name
     assert printed_round == 25
-    assert printed == pytest.approx([final[f"val/{n}"] for n in METRICS], abs=5e-5)
+    table = ("acc_weighted", "acc_mean", "acc_worst10", "loss_weighted", "loss_mean", "loss_worst10")
+    assert printed == pytest.approx([final[f"val/{n}"] for n in table], abs=5e-5)
     assert doc["per_client_accuracy"] == pytest.approx(
         cli.model.last_per_client_accuracy.tolist()  # type: ignore[attr-defined]
     )

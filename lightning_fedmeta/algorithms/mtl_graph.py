@@ -166,6 +166,12 @@ class MTLGraph(SimilarityRegularizedMTL):
             raise ValueError(
                 f"label histograms cover {self._label_counts.shape[0]} clients, the data has {num_clients}"
             )
+        if self._label_counts.shape[1] == 0:
+            raise ValueError(
+                "mtl_graph with knn builds the client graph from class-label histograms, and this data has no "
+                "class labels (a regression, multi-label or next-token task); give the graph explicitly with "
+                "edges: [[j, k], ...]"
+            )
         return knn_adjacency(self._label_counts, int(self.knn), self._training)  # type: ignore[arg-type]
 
     def fixed_similarity(self, num_clients: int) -> Tensor:

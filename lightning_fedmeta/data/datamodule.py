@@ -42,6 +42,11 @@ from lightning_fedmeta.data.partition import (
     shards,
 )
 from lightning_fedmeta.data.synthetic import make_synthetic
+from lightning_fedmeta.data.synthetic_tasks import (
+    make_synthetic_multilabel,
+    make_synthetic_next_token,
+    make_synthetic_regression,
+)
 
 __all__ = [
     "DATASET_NAMES",
@@ -52,9 +57,16 @@ __all__ = [
     "rounds_until_evaluation",
 ]
 
-DATASET_NAMES: tuple[str, ...] = ("synthetic", *IMAGE_DATASETS)
+#: Embedded synthetic benchmarks, one per task kind (made in code from ``data_seed``).
+SYNTHETIC_DATASETS: tuple[str, ...] = (
+    "synthetic", "synthetic_regression", "synthetic_multilabel", "synthetic_next_token",
+)
+DATASET_NAMES: tuple[str, ...] = (*SYNTHETIC_DATASETS, *IMAGE_DATASETS)
 PARTITION_NAMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "perfedavg_paper")
-_NUM_CLASSES = {"synthetic": 10, "fashion_mnist": 10, "mnist": 10, "cifar10": 10}
+_NUM_CLASSES: dict[str, int | None] = {
+    "synthetic": 10, "synthetic_regression": None, "synthetic_multilabel": 10, "synthetic_next_token": 16,
+    "fashion_mnist": 10, "mnist": 10, "cifar10": 10,
+}
 
 
 class RoundCounter(IterableDataset):
@@ -118,24 +130,31 @@ class FederatedDataModule(L.LightningDataModule):
     """Clients' data for personalized federated learning.
 
     Args:
-        dataset: ``"synthetic"`` (FedProx Synthetic(alpha, beta), natural clients),
+        dataset: ``"synthetic"`` (FedProx Synthetic(alpha, beta), natural clients, 10 classes),
+            ``"synthetic_regression"`` (the same inputs, scalar linear targets),
+            ``"synthetic_multilabel"`` (10 thresholded linear labels), ``"synthetic_next_token"``
+            (per-client Markov chains over 16 tokens, 20-token windows with next-token targets),
             ``"fashion_mnist"``, ``"mnist"``, ``"cifar10"``, or an object following the
-            :class:`FederatedDataset` protocol (``num_classes`` and ``client_data()``).
+            :class:`FederatedDataset` protocol (``num_classes`` and ``client_data()``; e.g.
+            :class:`~lightning_fedmeta.data.leaf.LeafDataset` for LEAF JSON files, or
+            :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` around your own
+            ``LightningDataModule``).
         root: data folder. Fashion-MNIST defaults to ``/usr/share/datasets/fashion-mnist``
             (Debian package ``dataset-fashion-mnist``); MNIST and CIFAR-10 need it.
         download: fetch missing image files with torchvision into ``root`` in ``prepare_data``.
         partition: how an image dataset's train set is split: ``"iid"``, ``"dirichlet"``
             (label skew, Dir(``dirichlet_alpha``)), ``"shards"`` (``classes_per_client`` label
             shards per client) or ``"perfedavg_paper"`` (the Per-FedAvg paper's split with
-            ``a = samples_per_class``). Ignored for ``"synthetic"`` and user datasets.
+            ``a = samples_per_class``). Ignored for the synthetic datasets and user datasets.
         num_clients: number of clients ``K >= 1`` (the paper split of Per-FedAvg uses 50).
         dirichlet_alpha: concentration ``alpha > 0`` of the Dirichlet partition; smaller is more skewed.
         classes_per_client: shards per client for ``"shards"``, in ``[1, 10]``.
         samples_per_class: ``a`` of ``"perfedavg_paper"``, ``>= 2`` (default 196, the paper's MNIST value).
         max_samples_per_client: optional cap on each client's train samples for ``"iid"``,
             ``"dirichlet"`` and ``"shards"`` (a random subset is kept); ``None`` for no cap.
-        synthetic_alpha: model heterogeneity ``alpha >= 0`` of Synthetic(alpha, beta).
-        synthetic_beta: input heterogeneity ``beta >= 0`` of Synthetic(alpha, beta).
+        synthetic_alpha: model heterogeneity ``alpha >= 0`` of Synthetic(alpha, beta) (and of the
+            regression and multi-label variants).
+        synthetic_beta: input heterogeneity ``beta >= 0`` of Synthetic(alpha, beta) (and variants).
         eval_every: communication rounds per training epoch (validation runs after each, and after
             the final round), ``>= 1``.
         data_seed: seed of the partition, the test split and the synthetic generator.
@@ -211,13 +230,14 @@ class FederatedDataModule(L.LightningDataModule):
         self.save_hyperparameters(ignore=None if isinstance(dataset, str) else ["dataset"])
 
     @property
-    def num_classes(self) -> int:
-        """Number of label classes (known before ``setup``)."""
+    def num_classes(self) -> int | None:
+        """Number of label classes (known before ``setup``; ``None`` for regression)."""
         if self.federated_data is not None:
             return self.federated_data.num_classes
         if isinstance(self.dataset, str):
             return _NUM_CLASSES[self.dataset]
-        return int(self.dataset.num_classes)
+        n = self.dataset.num_classes
+        return None if n is None else int(n)
 
     def prepare_data(self) -> None:
         """Download the image files with torchvision when ``download=True`` (rank 0 only)."""
@@ -240,18 +260,31 @@ class FederatedDataModule(L.LightningDataModule):
     def _describe(self) -> str:
         if not isinstance(self.dataset, str):
             return f"{type(self.dataset).__name__} (user dataset)"
-        if self.dataset == "synthetic":
-            return f"synthetic({self.synthetic_alpha}, {self.synthetic_beta})"
+        if self.dataset == "synthetic_next_token":
+            return self.dataset
+        if self.dataset in SYNTHETIC_DATASETS:
+            return f"{self.dataset}({self.synthetic_alpha}, {self.synthetic_beta})"
         return f"{self.dataset}, partition={self.partition}"
 
     def _build(self) -> FederatedData:
         if not isinstance(self.dataset, str):
             names = getattr(self.dataset, "client_names", None)
-            return from_client_tensors(self.dataset.client_data(), self.dataset.num_classes, names)
+            task = getattr(self.dataset, "task", None)
+            return from_client_tensors(self.dataset.client_data(), self.dataset.num_classes, names, task)
         if self.dataset == "synthetic":
             return make_synthetic(
                 self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
             )
+        if self.dataset == "synthetic_regression":
+            return make_synthetic_regression(
+                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
+            )
+        if self.dataset == "synthetic_multilabel":
+            return make_synthetic_multilabel(
+                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
+            )
+        if self.dataset == "synthetic_next_token":
+            return make_synthetic_next_token(num_clients=self.num_clients, seed=self.seed)
         train_x, train_y, test_x, test_y = load_dataset(self.dataset, self.root, download=False)
         if self.partition == "iid":
             parts = iid(train_y, self.num_clients, self.seed)
@@ -264,7 +297,7 @@ class FederatedDataModule(L.LightningDataModule):
         if self.partition != "perfedavg_paper":
             parts = cap_client_sizes(parts, self.max_samples_per_client, self.seed)
         test_parts = matching_test_split([train_y[p] for p in parts], test_y, self.seed)
-        return _gather(train_x, train_y, parts, test_x, test_y, test_parts, _NUM_CLASSES[self.dataset])
+        return _gather(train_x, train_y, parts, test_x, test_y, test_parts, int(_NUM_CLASSES[self.dataset] or 0))
 
     def train_dataloader(self) -> DataLoader:
         """One token per communication round up to the next evaluation (:class:`TrainingRounds`):
@@ -317,20 +350,31 @@ def _gather(
     )
 
 
+def _describe_task(data: FederatedData) -> str:
+    """``10 classes``, ``regression to (3,)``, ``multilabel with 5 labels``, ``next_token over 80 tokens``."""
+    if data.task == "classification":
+        return f"{data.num_classes} classes"
+    if data.task == "regression":
+        return f"regression to {data.target_shape or 'a scalar'}"
+    if data.task == "multilabel":
+        return f"multilabel with {data.num_classes} labels"
+    return f"next_token over {data.num_classes} tokens, targets {data.target_shape or 'one token'}"
+
+
 def _summary(data: FederatedData, what: str) -> str:
     """One line per client (``K <= 20``) or min/median/max plus totals."""
     train, test = data.train_counts, data.test_counts
     head = (
-        f"FederatedDataModule: {what}: {data.num_clients} clients, input {data.input_shape}, "
-        f"{data.num_classes} classes, {int(train.sum())} train / {int(test.sum())} test samples"
+        f"FederatedDataModule: {what}: {data.num_clients} clients, input {data.input_shape}, {_describe_task(data)}, "
+        f"{int(train.sum())} train / {int(test.sum())} test samples"
     )
     if data.num_clients <= 20:
-        lines = [head, f"  {'client':>12} {'train':>7} {'test':>6} {'classes':>7}"]
+        classes = data.has_class_labels
+        lines = [head, f"  {'client':>12} {'train':>7} {'test':>6}" + (f" {'classes':>7}" if classes else "")]
         for i in range(data.num_clients):
             _, y = data.client_train(i)
-            lines.append(
-                f"  {data.client_names[i]:>12} {int(train[i]):>7} {int(test[i]):>6} {y.unique().numel():>7}"
-            )
+            row = f"  {data.client_names[i]:>12} {int(train[i]):>7} {int(test[i]):>6}"
+            lines.append(row + (f" {y.unique().numel():>7}" if classes else ""))
         return "\n".join(lines)
 
     def stats(c: Tensor) -> str:

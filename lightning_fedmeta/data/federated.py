@@ -1,5 +1,10 @@
 """The in-memory form of a federated dataset: every client's train and test tensors.
 
+Any supervised task fits: the inputs ``x`` and targets ``y`` keep their shapes and dtypes
+(float features or int64 token ids; int64 class ids, float regression values, ``{0, 1}``
+multi-label rows, or int64 token sequences). The ``task`` names which, so the module can pick
+a default loss, metrics and model (:data:`TASKS`).
+
 All clients' samples are concatenated into one tensor per split, and ``offsets`` marks where
 each client's block starts and ends: client ``i`` owns rows ``offsets[i]:offsets[i + 1]``.
 This layout lets the training loop gather any client's mini-batch by index from one tensor on
@@ -15,7 +20,42 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["FederatedData", "FederatedDataset", "from_client_tensors"]
+__all__ = ["TASKS", "FederatedData", "FederatedDataset", "from_client_tensors", "infer_task"]
+
+#: The task kinds a ``FederatedData`` can hold:
+#: ``classification`` (``y [N]`` int64 class ids), ``multilabel`` (``y [N, C]`` float in {0, 1}),
+#: ``regression`` (``y [N]`` or ``[N, D]`` float) and ``next_token`` (``x [N, T]`` int64 tokens,
+#: ``y [N, T]`` int64 next tokens, or ``y [N]`` for the next token after the sequence).
+TASKS: tuple[str, ...] = ("classification", "multilabel", "regression", "next_token")
+
+
+def infer_task(x: Tensor, y: Tensor) -> str:
+    """The task of ``(x, y)`` when none is named: float targets are regression (multi-label must be
+    named: its targets look like regression's), int64 targets with int64 inputs are next-token
+    prediction, other int64 targets are classification."""
+    if y.is_floating_point():
+        return "regression"
+    if not x.is_floating_point() and not x.is_complex():
+        return "next_token"
+    return "classification"
+
+
+def _as_inputs(t: object) -> Tensor:
+    """Inputs keep integer dtypes (token ids, as int64); anything else becomes float32."""
+    t = torch.as_tensor(t)
+    if t.dtype == torch.bool or t.is_floating_point():
+        return t.to(torch.float32)
+    return t.to(torch.long)
+
+
+def _as_targets(t: object) -> Tensor:
+    """Integer targets become int64 (class ids, tokens) and keep their shape (a ``[N, 1]`` column of
+    class ids becomes ``[N]``); float and bool targets become float32."""
+    t = torch.as_tensor(t)
+    if t.dtype == torch.bool or t.is_floating_point():
+        return t.to(torch.float32)
+    t = t.to(torch.long)
+    return t.reshape(-1) if t.dim() == 2 and t.shape[1] == 1 else t
 
 
 @dataclass
@@ -23,14 +63,18 @@ class FederatedData:
     """Per-client train/test tensors in concatenated form.
 
     Attributes:
-        train_x: ``[N_train, *input_shape]`` float features of every client, client-major.
-        train_y: ``[N_train]`` int64 labels.
+        train_x: ``[N_train, *input_shape]`` inputs of every client, client-major (float32 features,
+            or int64 token ids).
+        train_y: ``[N_train, *target_shape]`` targets (int64 class ids or tokens; float32 values or
+            multi-label rows).
         train_offsets: ``[K + 1]`` int64; client ``i`` owns ``train_x[train_offsets[i]:train_offsets[i+1]]``.
         test_x: ``[N_test, *input_shape]``, the same for the clients' test sets.
-        test_y: ``[N_test]`` int64 test labels.
+        test_y: ``[N_test, *target_shape]`` test targets.
         test_offsets: ``[K + 1]`` int64; client ``i`` owns ``test_x[test_offsets[i]:test_offsets[i+1]]``.
-        num_classes: number of label classes.
+        num_classes: number of classes (classification, multi-label: labels per row; next-token: the
+            vocabulary size); ``None`` for regression.
         client_names: optional human-readable client names (defaults to ``client_0``...).
+        task: one of :data:`TASKS`; ``None`` infers it from the dtypes (:func:`infer_task`).
     """
 
     train_x: Tensor
@@ -39,8 +83,9 @@ class FederatedData:
     test_x: Tensor
     test_y: Tensor
     test_offsets: Tensor
-    num_classes: int
+    num_classes: int | None
     client_names: list[str] = field(default_factory=list)
+    task: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("train", "test"):
@@ -55,6 +100,38 @@ class FederatedData:
             )
         if not self.client_names:
             self.client_names = [f"client_{i}" for i in range(self.num_clients)]
+        if self.task is None:
+            self.task = infer_task(self.train_x, self.train_y)
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {list(TASKS)}")
+        if self.train_y.shape[1:] != self.test_y.shape[1:] or self.train_y.dtype != self.test_y.dtype:
+            raise ValueError(
+                f"train and test targets differ: {tuple(self.train_y.shape[1:])} {self.train_y.dtype} against "
+                f"{tuple(self.test_y.shape[1:])} {self.test_y.dtype}"
+            )
+        classes = self.task in ("classification", "next_token")
+        if classes and (self.train_y.is_floating_point() or not self.num_classes or self.num_classes < 1):
+            raise ValueError(
+                f"a {self.task} dataset needs int64 class ids and num_classes >= 1, got targets of dtype "
+                f"{self.train_y.dtype} and num_classes={self.num_classes!r}"
+            )
+        if self.task == "multilabel" and (self.train_y.dim() != 2 or self.num_classes != self.train_y.shape[1]):
+            raise ValueError(
+                f"multi-label targets must be [N, num_classes] rows of 0/1, got shape {tuple(self.train_y.shape)} "
+                f"with num_classes={self.num_classes!r}"
+            )
+        if self.task == "regression" and not self.train_y.is_floating_point():
+            raise ValueError(f"regression targets must be floating point, got {self.train_y.dtype}")
+
+    @property
+    def has_class_labels(self) -> bool:
+        """Whether each sample has one int64 class id (classification), so label histograms exist."""
+        return self.task == "classification"
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's target (``()`` for a class id or a scalar value)."""
+        return tuple(self.train_y.shape[1:])
 
     @property
     def num_clients(self) -> int:
@@ -76,8 +153,12 @@ class FederatedData:
 
     @property
     def label_counts(self) -> Tensor:
-        """``[K, num_classes]`` number of training samples of each class at each client."""
+        """``[K, num_classes]`` number of training samples of each class at each client (``[K, 0]`` for
+        tasks without one class id per sample)."""
         k = self.num_clients
+        if not self.has_class_labels:
+            return torch.zeros(k, 0, dtype=torch.long, device=self.train_y.device)
+        assert self.num_classes is not None
         owner = torch.repeat_interleave(torch.arange(k, device=self.train_y.device), self.train_counts)
         counts = torch.zeros(k, self.num_classes, dtype=torch.long, device=self.train_y.device)
         counts.index_put_((owner, self.train_y), torch.ones_like(self.train_y), accumulate=True)
@@ -106,7 +187,7 @@ class FederatedData:
         return FederatedData(
             self.train_x.to(device), self.train_y.to(device), self.train_offsets.to(device),
             self.test_x.to(device), self.test_y.to(device), self.test_offsets.to(device),
-            self.num_classes, list(self.client_names),
+            self.num_classes, list(self.client_names), self.task,
         )
 
 
@@ -114,15 +195,16 @@ class FederatedDataset(ABC):
     """What a user's own federated data must provide to ``FederatedDataModule``.
 
     ``client_data()`` returns one ``(train_x, train_y, test_x, test_y)`` tuple per client
-    (tensors, or anything ``torch.as_tensor`` accepts); ``num_classes`` is the number of labels;
-    optional ``client_names: list[str]``.
+    (tensors, or anything ``torch.as_tensor`` accepts); ``num_classes`` is the number of labels
+    (``None`` for regression); optional ``client_names: list[str]`` and ``task`` (one of
+    :data:`TASKS`; inferred from the dtypes when absent).
 
     Subclass it (then LightningCLI can build your dataset from ``class_path``/``init_args`` in
     YAML), or just give any object these two members: the check is structural, like
     ``collections.abc``, so ``isinstance(obj, FederatedDataset)`` holds for duck-typed objects too.
     """
 
-    num_classes: int
+    num_classes: int | None
 
     @abstractmethod
     def client_data(self) -> Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]:
@@ -137,18 +219,23 @@ class FederatedDataset(ABC):
 
 def from_client_tensors(
     clients: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]],
-    num_classes: int,
+    num_classes: int | None,
     client_names: Sequence[str] | None = None,
+    task: str | None = None,
 ) -> FederatedData:
-    """Concatenate per-client ``(train_x, train_y, test_x, test_y)`` into a ``FederatedData``."""
+    """Concatenate per-client ``(train_x, train_y, test_x, test_y)`` into a ``FederatedData``.
+
+    Inputs keep integer dtypes as int64 (tokens) and become float32 otherwise; integer targets become
+    int64 (a ``[n, 1]`` column of class ids is flattened to ``[n]``), float or bool targets float32.
+    """
     if len(clients) == 0:
         raise ValueError("a federated dataset needs at least one client")
     parts: dict[str, list[Tensor]] = {"trx": [], "try": [], "tex": [], "tey": []}
     for trx, try_, tex, tey in clients:
-        parts["trx"].append(torch.as_tensor(trx, dtype=torch.float32))
-        parts["try"].append(torch.as_tensor(try_, dtype=torch.long).reshape(-1))
-        parts["tex"].append(torch.as_tensor(tex, dtype=torch.float32))
-        parts["tey"].append(torch.as_tensor(tey, dtype=torch.long).reshape(-1))
+        parts["trx"].append(_as_inputs(trx))
+        parts["try"].append(_as_targets(try_))
+        parts["tex"].append(_as_inputs(tex))
+        parts["tey"].append(_as_targets(tey))
 
     def offsets(ts: list[Tensor]) -> Tensor:
         counts = torch.tensor([0] + [t.shape[0] for t in ts], dtype=torch.long)
@@ -157,5 +244,6 @@ def from_client_tensors(
     return FederatedData(
         train_x=torch.cat(parts["trx"]), train_y=torch.cat(parts["try"]), train_offsets=offsets(parts["try"]),
         test_x=torch.cat(parts["tex"]), test_y=torch.cat(parts["tey"]), test_offsets=offsets(parts["tey"]),
-        num_classes=int(num_classes), client_names=list(client_names) if client_names else [],
+        num_classes=None if num_classes is None else int(num_classes),
+        client_names=list(client_names) if client_names else [], task=task,
     )

@@ -166,8 +166,8 @@ def test_pfedme_by_name_improves_personalised_accuracy_on_synthetic_data() -> No
     )
     module.attach_data(dm.federated_data)
     clients = torch.arange(dm.federated_data.num_clients)
-    correct, total, _ = module.evaluate_clients(clients, 0)
-    before = float(correct.sum() / total.sum())
+    scores = module.evaluate_clients(clients, 0)
+    before = float(scores["builtin"][:, 0].sum() / scores["total"].sum())
     trainer = L.Trainer(max_steps=12, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
