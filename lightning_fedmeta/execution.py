@@ -167,8 +167,8 @@ def _unbatchable_layers(model: nn.Module) -> list[str]:
 def choose_batching(model: nn.Module, requested: ClientBatching) -> tuple[Literal["vmap", "loop"], str]:
     """Pick the client path for ``model``: returns the mode and the reason (for an info line).
 
-    BatchNorm layers with running statistics are expected to have been switched to batch statistics
-    already (``FederatedModule`` does it before calling this). The loop is forced by dropout (per-client
+    BatchNorm layers run batched (``FederatedModule`` makes them functional with per-client running
+    statistics, :mod:`lightning_fedmeta.running_stats`). The loop is forced by dropout (per-client
     draws) and by PyTorch's recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: no vmap batching rule;
     :class:`~lightning_fedmeta.models.CharLSTM` is the batched equivalent); ``requested="vmap"`` then raises
     ``ValueError`` with the reason.

@@ -106,11 +106,20 @@ def summarize(
 
     For a mean metric (``values = sums / counts``) pass ``sums``: the weighted mean is then computed as
     ``Σ sums / Σ counts``, the same number without the round trip through the per-client ratios.
+    Clients whose value is undefined (NaN: a metric that is 0/0 on their test set) are left out of all
+    three; all NaN gives NaN.
     """
     if values.numel() == 0:
         raise ValueError("no client to summarize")
     v = values.to(torch.float64)
     n = counts.to(torch.float64)
+    defined = ~torch.isnan(v)
+    if not bool(defined.all()):  # e.g. a kappa or F1 that is 0/0 on a client: left out of all three summaries
+        if not bool(defined.any()):
+            nan = torch.tensor(math.nan, dtype=torch.float64, device=v.device)
+            return {"weighted": nan, "mean": nan, "worst10": nan.clone()}
+        v, n = v[defined], n[defined]
+        sums = None if sums is None else sums[defined]
     worst = max(1, math.ceil(v.numel() / 10))
     ordered = v.sort(descending=not higher_is_better).values
     pooled = (n * v).sum() if sums is None else sums.to(torch.float64).sum()

@@ -445,7 +445,7 @@ class FederatedModule(LightningModule):
             self.client_buffers = ClientStateStore(client_buffers(self.model, num_clients, self.stat_names))
         layers = sorted({n.rsplit(".", 1)[0] for n in self.stat_names})
         rank_zero_info(
-            f"[lightning_fedmeta] BatchNorm running statistics ({', '.join(layers[:3])}"
+            f"[lightning_fedmeta] BatchNorm running statistics (layers {', '.join(layers[:3])}"
             f"{', ...' if len(layers) > 3 else ''}) are kept per client: each client trains and is evaluated "
             "with its own; clients that never trained use the average of the last round's"
         )

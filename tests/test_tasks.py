@@ -403,3 +403,42 @@ def test_torch_loss_module_metric_and_named_loss_in_one_run_log_their_names() ->
     trainer.fit(module, FederatedDataModule(dataset=Dataset(regression_clients(), None), eval_every=2))
     assert {"val/mse_weighted", "val/mse_mean", "val/mse_worst10", "val/loss_weighted"} <= set(trainer.callback_metrics)
     assert "loss" not in module.hparams  # a module object is not stored as a hyper-parameter
+
+
+def test_clients_with_an_undefined_metric_are_left_out_of_its_summaries() -> None:
+    values = torch.tensor([0.5, math.nan, 0.9, 0.1], dtype=torch.float64)
+    counts = torch.tensor([10.0, 5.0, 30.0, 20.0], dtype=torch.float64)
+    out = summarize(values, counts, higher_is_better=True)
+    assert float(out["weighted"]) == pytest.approx((5 + 27 + 2) / 60)
+    assert float(out["mean"]) == pytest.approx(0.5)
+    assert float(out["worst10"]) == pytest.approx(0.1)
+    assert math.isnan(float(summarize(torch.full((3,), math.nan), counts[:3], True)["mean"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# every task from the command line, with its config in configs/tasks/
+# ----------------------------------------------------------------------------------------------
+TASK_CONFIGS = {
+    "classification": ("acc", True), "regression": ("mae", False), "multilabel": ("acc", True),
+    "next_token": ("acc", True),
+}
+
+
+@pytest.mark.parametrize("task", sorted(TASK_CONFIGS))
+def test_each_task_config_runs_from_the_cli_and_logs_its_metrics(task: str, tmp_path: Path) -> None:
+    from lightning_fedmeta.callbacks import read_history
+    from lightning_fedmeta.cli import run
+
+    root = Path(__file__).resolve().parents[1]
+    cli = run(["fit", "--config", str(root / "configs" / "tasks" / f"{task}.yaml"), "--trainer.max_steps", "2",
+               "--data.eval_every", "2", "--data.num_clients", "6", "--model.clients_per_round", "3",
+               "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"])
+    module = cli.model  # type: ignore[attr-defined]
+    primary, higher = TASK_CONFIGS[task]
+    assert module.data.task == task and module.primary_metric == primary
+    assert module.metric_directions[primary] is higher
+    assert f"val/{primary}_worst10" in cli.trainer.callback_metrics  # type: ignore[attr-defined]
+    history = read_history(next(tmp_path.rglob("fedmeta_history.json")))
+    assert history["primary_metric"] == primary and history["higher_is_better"] is higher
+    checkpoint = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=True)
+    assert checkpoint["fedmeta"]["metric_state"]["total"].shape == (6,)
