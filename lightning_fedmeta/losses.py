@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LOSSES", "DEFAULT_LOSS", "PerSampleLoss", "resolve_loss", "per_sample", "loss_name"]
+__all__ = ["LOSSES", "DEFAULT_LOSS", "PerSampleLoss", "resolve_loss", "per_sample", "loss_name", "aligned"]
 
 PerSampleLoss = Callable[[Tensor, Tensor], Tensor]
 
@@ -72,8 +72,8 @@ def nll(outputs: Tensor, targets: Tensor) -> Tensor:
     return per_sample(F.nll_loss(z, y, reduction="none").reshape(targets.shape))
 
 
-def _aligned(outputs: Tensor, targets: Tensor) -> Tensor:
-    """Outputs in the targets' shape (``[B, 1]`` outputs for ``[B]`` targets are accepted)."""
+def aligned(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Outputs (half precision upcast) in the targets' shape (``[B, 1]`` outputs for ``[B]`` targets are accepted)."""
     outputs = _upcast(outputs)
     if outputs.shape != targets.shape:
         if outputs.numel() != targets.numel():
@@ -87,31 +87,31 @@ def _aligned(outputs: Tensor, targets: Tensor) -> Tensor:
 
 def mse(outputs: Tensor, targets: Tensor) -> Tensor:
     """Per-sample mean squared error over the target's axes."""
-    z = _aligned(outputs, targets)
+    z = aligned(outputs, targets)
     return per_sample((z - targets.to(z.dtype)) ** 2)
 
 
 def l1(outputs: Tensor, targets: Tensor) -> Tensor:
     """Per-sample mean absolute error over the target's axes."""
-    z = _aligned(outputs, targets)
+    z = aligned(outputs, targets)
     return per_sample((z - targets.to(z.dtype)).abs())
 
 
 def smooth_l1(outputs: Tensor, targets: Tensor) -> Tensor:
     """Per-sample smooth L1 (``beta = 1``)."""
-    z = _aligned(outputs, targets)
+    z = aligned(outputs, targets)
     return per_sample(F.smooth_l1_loss(z, targets.to(z.dtype), reduction="none"))
 
 
 def huber(outputs: Tensor, targets: Tensor) -> Tensor:
     """Per-sample Huber loss (``delta = 1``)."""
-    z = _aligned(outputs, targets)
+    z = aligned(outputs, targets)
     return per_sample(F.huber_loss(z, targets.to(z.dtype), reduction="none"))
 
 
 def bce_with_logits(outputs: Tensor, targets: Tensor) -> Tensor:
     """Per-sample binary cross-entropy of logits, averaged over the labels (multi-label)."""
-    z = _aligned(outputs, targets)
+    z = aligned(outputs, targets)
     return per_sample(F.binary_cross_entropy_with_logits(z, targets.to(z.dtype), reduction="none"))
 
 

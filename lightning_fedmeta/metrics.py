@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_fedmeta.losses import cross_entropy, per_sample
+from lightning_fedmeta.losses import aligned, cross_entropy, per_sample
 
 __all__ = [
     "BUILTIN_METRICS",
@@ -67,19 +67,16 @@ def _accuracy(outputs: Tensor, targets: Tensor) -> Tensor:
     """Class ids: ``1[argmax z = y]`` (the mean over positions for sequences); multi-label (float
     0/1 targets): the fraction of labels with ``1[z > 0] = y``."""
     if targets.is_floating_point():
-        z = outputs.reshape(targets.shape) if outputs.shape != targets.shape else outputs
-        return per_sample(((z > 0) == (targets > 0.5)).to(torch.float32))
+        return per_sample(((aligned(outputs, targets) > 0) == (targets > 0.5)).to(torch.float32))
     return per_sample((outputs.argmax(-1) == targets).to(torch.float32))
 
 
 def _squared_error(outputs: Tensor, targets: Tensor) -> Tensor:
-    z = outputs.reshape(targets.shape) if outputs.shape != targets.shape else outputs
-    return per_sample((z.float() - targets.float()) ** 2)
+    return per_sample((aligned(outputs, targets).float() - targets.float()) ** 2)
 
 
 def _absolute_error(outputs: Tensor, targets: Tensor) -> Tensor:
-    z = outputs.reshape(targets.shape) if outputs.shape != targets.shape else outputs
-    return per_sample((z.float() - targets.float()).abs())
+    return per_sample((aligned(outputs, targets).float() - targets.float()).abs())
 
 
 BUILTIN_METRICS: dict[str, BuiltinMetric] = {

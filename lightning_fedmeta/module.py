@@ -34,7 +34,7 @@ from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targ
 from lightning_fedmeta.execution import ClientBatching, choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_sum
 from lightning_fedmeta.losses import DEFAULT_LOSS, LOSSES, PerSampleLoss, loss_name, resolve_loss
-from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics, MetricSpec
+from lightning_fedmeta.metrics import BUILTIN_METRICS, DEFAULT_METRICS, ClientMetrics, MetricSpec
 from lightning_fedmeta.models import default_model
 from lightning_fedmeta.registry import create_algorithm
 from lightning_fedmeta.running_stats import client_buffers, prepare_model
@@ -410,7 +410,9 @@ class FederatedModule(LightningModule):
                 f"the loss {self._loss_name!r} must give one value per sample (shape [{x.shape[0]}]), got "
                 f"{tuple(getattr(values, 'shape', ()))}; a torch.nn loss needs reduction='none'"
             )
-        for key, metric in ClientMetrics(self._metric_specs(data), 1).builtin.items():
+        specs = self._metric_specs(data)
+        builtin = {key: BUILTIN_METRICS[spec] for key, spec in specs.items() if isinstance(spec, str)}
+        for key, metric in builtin.items():
             try:
                 v = metric.per_sample(out, y)
             except Exception as exc:  # noqa: BLE001 - reported with the shapes
