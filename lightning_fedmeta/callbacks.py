@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -316,7 +317,13 @@ class RoundProgressBar(TQDMProgressBar):
     ``round``, ``clients`` (sampled this round), ``loss`` (weighted mean client loss) and the last
     personalised ``val/{metric}_weighted`` of the module's primary metric (``val/acc_weighted`` for
     classification by default; see :func:`module_metrics`). Validation and test bars are TQDM's.
+
+    The count advances every round; the bar is redrawn at most every ``mininterval`` seconds of the
+    tqdm bar (0.1 s), at the last round and at every epoch end, so fast rounds do not pay for a
+    terminal write each.
     """
+
+    _last_redraw: float = -math.inf  # time.monotonic() of the last redraw of the training bar
 
     def _total_rounds(self, trainer: pl.Trainer) -> int | None:
         if trainer.max_steps is not None and trainer.max_steps > 0:
@@ -334,6 +341,7 @@ class RoundProgressBar(TQDMProgressBar):
         self.train_progress_bar.unit = "round"
         self.train_progress_bar.set_description("Rounds")
         self.train_progress_bar.refresh()
+        self._last_redraw = time.monotonic()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         self.train_progress_bar.set_description("Rounds")
@@ -341,14 +349,26 @@ class RoundProgressBar(TQDMProgressBar):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Count the round; redraw the bar (metrics and terminal write) at most every ``bar.mininterval`` seconds.
+
+        A redraw (``get_metrics`` + ``set_postfix``, which writes to the terminal) costs about a millisecond,
+        as much as a cheap round, so rounds that end within ``mininterval`` (tqdm's own redraw throttle,
+        0.1 s) of the last redraw only advance the count; the last round and every epoch end redraw.
+        """
         bar = self.train_progress_bar
         n = int(trainer.global_step)
-        if bar is not None and not bar.disable and self._should_update(n, bar.total or 0):
-            bar.n = n
+        if bar is None or bar.disable or not self._should_update(n, bar.total or 0):
+            return
+        bar.n = n
+        now = time.monotonic()
+        if n >= (bar.total or math.inf) or now - self._last_redraw >= bar.mininterval:
+            self._last_redraw = now
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.train_progress_bar.disable:
+            self.train_progress_bar.n = int(trainer.global_step)
+            self._last_redraw = time.monotonic()
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

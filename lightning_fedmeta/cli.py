@@ -19,6 +19,7 @@ status 2.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Sequence
@@ -64,8 +65,29 @@ def _check_evaluation_checkpoint(subcommand: str, ckpt_path: Any, untrained: boo
         )
 
 
+def _requested_subcommand(args: Any, names: Sequence[str]) -> str | None:
+    """The subcommand a command line starts with (``fit ...``), or ``None`` when it does not start with one
+    (options first, ``--help``, a dict or Namespace of arguments)."""
+    if args is None:
+        args = sys.argv[1:]
+    if isinstance(args, list | tuple) and args and isinstance(args[0], str) and args[0] in names:
+        return args[0]
+    return None
+
+
 class FedMetaCLI(LightningCLI):
-    """LightningCLI with federated defaults: an epoch is ``data.eval_every`` rounds, ``max_steps`` counts rounds."""
+    """LightningCLI with federated defaults: an epoch is ``data.eval_every`` rounds, ``max_steps`` counts rounds.
+
+    When the command line starts with its subcommand (``fedmeta fit ...``), only that subcommand's parser
+    gets the Trainer, model and data arguments; the others are registered with a bare parser, which is
+    never used (LightningCLI would build all four from the signatures, most of the start-up's parsing time).
+    Any other command line (options before the subcommand, ``fedmeta --help``) builds all four, as usual.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(LightningCLI.__init__).bind(self, *args, **kwargs)
+        self._only_subcommand = _requested_subcommand(bound.arguments.get("args"), tuple(self.subcommands()))
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults(
@@ -73,7 +95,7 @@ class FedMetaCLI(LightningCLI):
                 "trainer.max_epochs": -1,
                 "trainer.max_steps": 100,
                 "trainer.num_sanity_val_steps": 0,
-                "trainer.log_every_n_steps": 1,
+                "trainer.log_every_n_steps": 10,
             }
         )
         parser.add_argument(
@@ -84,6 +106,9 @@ class FedMetaCLI(LightningCLI):
         )
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        if self._only_subcommand is not None and subcommand != self._only_subcommand:
+            self._subcommand_method_arguments[subcommand] = []
+            return self.init_parser(**kwargs)  # listed in the subcommands, never parsed in this run
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand in EVALUATION_COMMANDS:
             parser.add_argument(

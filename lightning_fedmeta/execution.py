@@ -8,7 +8,6 @@ models ``vmap`` cannot handle (dropout with per-client draws; PyTorch's recurren
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -88,7 +87,6 @@ def run_clients(
     mode: Literal["vmap", "loop"],
     chunk_size: int | None = None,
     client_seeds: list[int] | None = None,
-    compiled: dict[Any, Callable[..., Any] | None] | None = None,
     label: str | None = None,
 ) -> Any:
     """Evaluate ``fn(*shared, *per_client_i)`` for every client ``i`` and stack the results.
@@ -100,9 +98,6 @@ def run_clients(
         mode: ``"vmap"`` (chunks of ``chunk_size`` clients, all at once) or ``"loop"``.
         client_seeds: in loop mode, the global RNG is seeded with ``client_seeds[i]`` for client
             ``i`` (for models with dropout), and restored afterwards.
-        compiled: in vmap mode, a cache dict: the batched function is ``torch.compile``-d once per
-            ``fn`` and kept there (timings: benchmarks/results/speed.md). A step dynamo cannot trace
-            (e.g. forward-over-reverse Hessian-vector products) falls back to eager with one warning.
         label: what ``fn`` runs, for error messages (e.g. ``"FedAvg.client_update"``). PyTorch's raw vmap
             errors (a tensor's value in Python control flow, ``.item()``, random draws) are re-raised as a
             :class:`BatchingError` naming it and the fixes, chained from the original.
@@ -122,32 +117,14 @@ def run_clients(
                 outs.append(fn(*args))
         return _stack(outs)
     in_dims = (None,) * n_shared + (0,) * len(per_client)
-    eager = vmap(fn, in_dims=in_dims, randomness="error")
-    key = (fn, n_shared, len(per_client))
-    batched = eager
-    if compiled is not None:
-        if key not in compiled:
-            compiled[key] = torch.compile(eager)
-        batched = compiled[key] or eager  # None marks a step that fell back to eager
+    batched = vmap(fn, in_dims=in_dims, randomness="error")
     size = num_clients if chunk_size is None else max(1, chunk_size)
     label = label or getattr(fn, "__qualname__", "the client function")
     chunks = []
     for start in range(0, num_clients, size):
         sl = slice(start, min(start + size, num_clients))
         args = (*shared, *_select(per_client, sl))
-        try:
-            chunks.append(_call_batched(batched, args, label))
-        except Exception as exc:  # a step torch.compile cannot trace: run it eagerly from now on
-            if batched is eager or compiled is None or isinstance(exc, BatchingError):
-                raise
-            warnings.warn(
-                f"torch.compile could not compile the client step ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200]}); running it eagerly",
-                stacklevel=2,
-            )
-            compiled[key] = None
-            batched = eager
-            chunks.append(_call_batched(batched, args, label))
+        chunks.append(_call_batched(batched, args, label))
     return chunks[0] if len(chunks) == 1 else _cat(chunks)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, jvp, vjp
 
 from lightning_fedmeta import running_stats
+
+if TYPE_CHECKING:
+    from lightning_fedmeta.compiled import PrimitiveCompiler
 
 __all__ = [
     "Params",
@@ -115,6 +118,21 @@ def cross_entropy_per_sample(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits, y, reduction="none")
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _function_key(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """What identifies the program of :meth:`ClientContext.step`: the function, its object, and the Python
+    scalars it can read from that object and from its closure (a changed hyper-parameter is a new program)."""
+    func = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__self__", None)
+    owned = tuple(sorted((k, v) for k, v in getattr(owner, "__dict__", {}).items() if isinstance(v, _SCALARS)))
+    cells = tuple(
+        c.cell_contents for c in (getattr(func, "__closure__", None) or ()) if isinstance(c.cell_contents, _SCALARS)
+    )
+    return (func, id(owner), owned, cells)
+
+
 def _unwrap_dead(t: Tensor) -> Tensor:
     """``t`` without the wrappers of ``torch.func`` transforms that have exited (a detached statistic
     recorded inside a caller's ``grad``); a live tensor is returned as is."""
@@ -143,6 +161,9 @@ class ClientContext:
         model: the architecture; its own parameters are ignored (``params`` replace them).
         buffers: the model's buffers (passed unchanged to ``functional_call``).
         per_sample_loss: ``(logits, y) -> [B]`` per-sample losses.
+        compiler: compiles :meth:`predict`, :meth:`loss`, :meth:`grad`, :meth:`loss_and_grad`, :meth:`hvp` and
+            :meth:`sgd_step` once each, batched over the clients of a ``vmap`` (:mod:`lightning_fedmeta.compiled`);
+            ``None`` runs them eagerly. Either way they compute the same function.
     """
 
     def __init__(
@@ -150,6 +171,7 @@ class ClientContext:
         model: nn.Module,
         buffers: Params | None = None,
         per_sample_loss: PerSampleLoss = cross_entropy_per_sample,
+        compiler: PrimitiveCompiler | None = None,
     ) -> None:
         self.model = model
         self.buffers = dict(buffers) if buffers is not None else dict(model.named_buffers())
@@ -163,6 +185,8 @@ class ClientContext:
         self._counting = True
         #: whether a statistic may have been recorded inside a caller's grad transform (see :meth:`loss`)
         self._may_leak = False
+        #: compiles the primitives batched over clients (``FederatedModule(compile_clients=...)``); None: eager
+        self.compiler: PrimitiveCompiler | None = compiler
 
     # -- per-client running statistics --------------------------------------------------------
     def for_client(self, buffers: Params) -> ClientContext:
@@ -210,15 +234,57 @@ class ClientContext:
         if stats and self._bound is not None:
             self._bound = {**self._bound, **stats}
 
+    # -- compiled primitives ---------------------------------------------------------------------
+    def _dispatch(self, name: Any, impl: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+        """``impl(*operands)``, through the compiled batched program when a
+        :class:`~lightning_fedmeta.compiled.PrimitiveCompiler` is attached and may serve this call (see
+        :mod:`lightning_fedmeta.compiled`), else eagerly. Python numbers among ``operands`` are static: part of
+        the program's key, not inputs. Contexts with prepared BatchNorm layers run eagerly."""
+        compiler = self.compiler
+        if compiler is None or self._layers:
+            return impl(*operands)
+        statics = tuple((i, o) for i, o in enumerate(operands) if o is None or isinstance(o, (bool, int, float, str)))
+        fn = impl
+        if statics:
+            fixed = dict(statics)
+            tensors = tuple(o for i, o in enumerate(operands) if i not in fixed)
+            n = len(operands)
+
+            def fn(*ops: Any) -> Any:
+                it = iter(ops)
+                return impl(*(fixed[i] if i in fixed else next(it) for i in range(n)))
+        else:
+            tensors = operands
+        out = compiler.call((name, self, statics), fn, tensors)
+        return impl(*operands) if out is NotImplemented else out
+
+    def step(self, fn: Callable[..., Any], *operands: Any) -> Any:
+        """``fn(self, *operands)`` as one primitive: an algorithm's whole local step (several gradients and the
+        update between them), compiled once and batched over the clients like :meth:`sgd_step` when the module
+        compiles (``compile_clients``), else simply called.
+
+        ``fn`` must be a pure function of the context and its operands (pytrees of tensors; Python numbers are
+        static). The Python numbers, strings and flags of its object (``fn.__self__``, e.g. an algorithm's
+        hyper-parameters) and of its closure are part of the program's key, so changing one compiles a new
+        program instead of reusing a stale one. Built-in uses: Per-FedAvg's meta step, the proximal step.
+        """
+        return self._dispatch(("step", *_function_key(fn)), lambda *ops: fn(self, *ops), operands)
+
     # -- forward ----------------------------------------------------------------------------
     def predict(self, params: Params, x: Tensor) -> Tensor:
         """Model output ``h_w(x)`` with ``params`` in place of the module's parameters."""
+        return self._dispatch("predict", self._predict, (params, x))
+
+    def _predict(self, params: Params, x: Tensor) -> Tensor:
         if self._layers:
             return self._forward(params, x, None, count=False)[0]
         return functional_call(self.model, (params, self.buffers), (x,))
 
     def loss(self, params: Params, batch: Batch) -> Tensor:
         """Masked mean loss ``f(w; D)``."""
+        return self._dispatch("loss", self._loss, (params, batch))
+
+    def _loss(self, params: Params, batch: Batch) -> Tensor:
         if self._layers:
             value, stats = self._loss_and_stats(params, batch)
             self._advance(stats)
@@ -226,26 +292,32 @@ class ClientContext:
             # transform exits they are dead wrappers, unwrapped by updated_buffers
             self._may_leak = self._may_leak or bool(stats)
             return value
-        per_sample = self.per_sample_loss(self.predict(params, batch.x), batch.y)
+        per_sample = self.per_sample_loss(self._predict(params, batch.x), batch.y)
         mask = batch.mask.to(per_sample.dtype)
         return (per_sample * mask).sum() / mask.sum().clamp_min(1.0)
 
     # -- derivatives --------------------------------------------------------------------------
     def grad(self, params: Params, batch: Batch) -> Params:
         """``∇f(w; D)`` by reverse mode (``torch.func.grad``)."""
+        return self._dispatch("grad", self._grad, (params, batch))
+
+    def _grad(self, params: Params, batch: Batch) -> Params:
         if self._layers:
             g, stats = grad(self._loss_and_stats, has_aux=True)(params, batch)
             self._advance(stats)
             return g
-        return grad(self.loss)(params, batch)
+        return grad(self._loss)(params, batch)
 
     def loss_and_grad(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
         """``(f(w; D), ∇f(w; D))`` in one backward pass."""
+        return self._dispatch("loss_and_grad", self._loss_and_grad, (params, batch))
+
+    def _loss_and_grad(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
         if self._layers:
             g, (value, stats) = grad_and_value(self._loss_and_stats, has_aux=True)(params, batch)
             self._advance(stats)
             return value, g
-        g, value = grad_and_value(self.loss)(params, batch)
+        g, value = grad_and_value(self._loss)(params, batch)
         return value, g
 
     def frozen(self) -> ClientContext:
@@ -266,19 +338,25 @@ class ClientContext:
         under ``vmap`` and, unlike it, ``torch.compile`` can trace it (timings: benchmarks/results/speed.md).
         Its forwards do not advance bound running statistics (they re-evaluate a counted gradient).
         """
+        return self._dispatch("hvp", self._hvp, (params, batch, v))
+
+    def _hvp(self, params: Params, batch: Batch, v: Params) -> Params:
         ctx = self.frozen()
-        _, pullback = vjp(lambda p: ctx.grad(p, batch), params)
+        _, pullback = vjp(lambda p: ctx._grad(p, batch), params)
         return pullback(v)[0]
 
     def hvp_forward_over_reverse(self, params: Params, batch: Batch, v: Params) -> Params:
         """The same product by forward-over-reverse (jvp of grad); kept as a cross-check."""
         ctx = self.frozen()
-        return jvp(lambda p: ctx.grad(p, batch), (params,), (v,))[1]
+        return jvp(lambda p: ctx._grad(p, batch), (params,), (v,))[1]
 
     # -- steps --------------------------------------------------------------------------------
     def sgd_step(self, params: Params, batch: Batch, lr: float | Tensor) -> tuple[Params, Tensor]:
         """One SGD step ``w − lr ∇f(w; D)``; returns the new parameters and ``f(w; D)``."""
-        loss, g = self.loss_and_grad(params, batch)
+        return self._dispatch("sgd_step", self._sgd_step, (params, batch, lr))
+
+    def _sgd_step(self, params: Params, batch: Batch, lr: float | Tensor) -> tuple[Params, Tensor]:
+        loss, g = self._loss_and_grad(params, batch)
         return tree_axpy(-lr, g, params), loss
 
     def accuracy_counts(self, params: Params, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
@@ -286,7 +364,7 @@ class ClientContext:
         if self._layers:
             logits = self._forward(params, batch.x, batch.mask, count=False)[0]
         else:
-            logits = self.predict(params, batch.x)
+            logits = self._predict(params, batch.x)
         per_sample = self.per_sample_loss(logits, batch.y)
         mask = batch.mask.to(per_sample.dtype)
         correct = ((logits.argmax(-1) == batch.y).to(per_sample.dtype) * mask).sum()

@@ -20,6 +20,7 @@ the single-process run aggregates.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.compiled import PrimitiveCompiler, describe_decision, worth_compiling
 from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
 from lightning_fedmeta.execution import ClientBatching, choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_sum
@@ -90,6 +92,26 @@ def _import_callable(path: str) -> Callable[..., Any]:
     return obj
 
 
+#: the padded test sets of one evaluation are kept for the next one up to this size (bytes)
+TEST_CACHE_BYTES = 512 * 2**20
+
+
+def _rows(t: Tensor, index: Tensor, out: Tensor | None = None) -> Tensor:
+    """``t[index]`` for an integer ``index`` of any shape, by ``index_select`` on the flattened index: the same
+    values as advanced indexing, copied row by row (2–3× faster for image rows than ``aten::index``), into
+    ``out`` (``[index.numel(), *t.shape[1:]]``) when given."""
+    flat_index = index.reshape(-1).to(t.device)
+    flat = t.index_select(0, flat_index) if out is None else torch.index_select(t, 0, flat_index, out=out)
+    return flat.view(*index.shape, *t.shape[1:])
+
+
+def _sums_finite(sums: list[Tensor]) -> bool:
+    """Whether all these sums are finite, in one host sync: a NaN or an infinity anywhere in a tensor makes its
+    sum non-finite, so a finite sum proves the tensor finite (one pass over the data instead of isfinite's
+    several). A non-finite sum may also be an overflow of finite values: callers then check element-wise."""
+    return bool(torch.isfinite(torch.cat([t.reshape(-1).float() for t in sums])).all())
+
+
 def format_summary(summary: dict[str, dict[str, Tensor]], round_idx: int) -> str:
     """A small text table of every personalised metric (weighted mean, mean, worst decile) per client group."""
     groups = [g for g in summary if not g.startswith("_")]
@@ -129,10 +151,15 @@ class FederatedModule(LightningModule):
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
         client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast);
             ``None`` = all at once. Timings: benchmarks/results/speed.md.
-        compile_clients: ``torch.compile`` the batched client step (vmap path only; evaluation stays
-            eager). Compilation takes a while once, then rounds run faster: worth it for long runs
-            (timings: benchmarks/results/speed.md). Steps dynamo cannot trace fall back to eager
-            with a warning.
+        compile_clients: ``torch.compile`` the client context's primitives (``sgd_step``, ``loss_and_grad``,
+            ``grad``, ``hvp``, ``loss``, ``predict``), each once, batched over the clients and reused for every
+            local step (:mod:`lightning_fedmeta.compiled`; vmap path only). ``"auto"`` (default) compiles the
+            training steps when the run is long enough to pay for it: after the second round of a fit, if the
+            remaining rounds would spend at least :data:`~lightning_fedmeta.compiled.AUTO_COMPILE_SECONDS` of
+            eager client computation (the decision is logged, kept in checkpoints and taken by rank 0 for all
+            ranks); evaluation stays eager. ``True`` compiles training and evaluation from the first round;
+            ``False`` never compiles. Compiled and eager steps agree to rounding. Timings:
+            benchmarks/results/speed.md.
         holdout_clients: clients never sampled in training (count, or fraction in [0, 1)); they
             are evaluated separately as new clients.
         seed: seed of client sampling and mini-batch draws (independent of the data seed).
@@ -161,7 +188,7 @@ class FederatedModule(LightningModule):
         server_lr_scheduler: LRSchedulerCallable | None = None,
         client_batching: ClientBatching = "auto",
         client_chunk_size: int | None = 100,
-        compile_clients: bool = False,
+        compile_clients: bool | Literal["auto"] = "auto",
         holdout_clients: int | float = 0,
         seed: int = 0,
         loss: str | nn.Module | Callable[[Tensor, Tensor], Tensor] | None = None,
@@ -235,8 +262,16 @@ class FederatedModule(LightningModule):
         self.server_lr_scheduler = server_lr_scheduler
         self.client_batching = client_batching
         self.client_chunk_size = client_chunk_size
+        if compile_clients not in (True, False, "auto"):
+            raise ValueError(f"compile_clients must be true, false or 'auto', got {compile_clients!r}")
         self.compile_clients = compile_clients
-        self._compiled: dict[Any, Any] | None = {} if compile_clients else None
+        #: compiles the client primitives; switched on for training by ``True`` or by the "auto" decision
+        self.compiler = PrimitiveCompiler(enabled=compile_clients is True)
+        #: "auto": whether this run compiles its training steps (None until decided; checkpointed)
+        self.compile_decision: bool | None = None if compile_clients == "auto" else bool(compile_clients)
+        self._eager_rounds_timed = 0
+        self._test_cache: tuple[Any, Batch] | None = None  # the last padded test gather (see _test_batches)
+        self._gather_buffers: dict[Any, Tensor] = {}  # reused destinations of the mini-batch gathers (_batches)
         self.holdout_clients = holdout_clients
         self.seed = seed
         self.loss = loss
@@ -277,6 +312,8 @@ class FederatedModule(LightningModule):
         """Bind the federated data: build the model if needed, choose clients, initialise state."""
         self.data = data
         self._placed_on = None
+        self._test_cache = None
+        self._gather_buffers = {}
         self._data_spec = {
             "input_shape": list(data.input_shape), "num_classes": data.num_classes, "task": data.task,
             "target_shape": list(data.target_shape),
@@ -332,7 +369,7 @@ class FederatedModule(LightningModule):
         if self._pending_metric_state is not None:  # a checkpoint loaded before the data was attached
             self._restore_metric_state(self._pending_metric_state)
             self._pending_metric_state = None
-        self.ctx = ClientContext(self.model, per_sample_loss=self.per_sample_loss)
+        self.ctx = self._make_context()
         self._test_width = int(data.test_counts.max())
         self._train_width = int(data.train_counts.max())
         rank_zero_info(
@@ -481,10 +518,17 @@ class FederatedModule(LightningModule):
         self.client_states.to(self.device)
         self.client_buffers.to(self.device)
         self.server_state = map_state(lambda v: v.to(self.device), self.server_state)
-        self.ctx = ClientContext(self.model, {n: b for n, b in self.model.named_buffers()},
-                                 per_sample_loss=self.per_sample_loss)  # type: ignore[arg-type]
+        self.ctx = self._make_context()
         self.metric = self.metric.to(self.device)
         self._placed_on = self.device
+
+    def _make_context(self) -> ClientContext:
+        """The clients' functional view of the model (with the primitive compiler on the batched path)."""
+        assert self.model is not None
+        return ClientContext(
+            self.model, dict(self.model.named_buffers()), per_sample_loss=self.per_sample_loss,  # type: ignore[arg-type]
+            compiler=self.compiler if self.batching == "vmap" else None,
+        )
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "setup() must run before configure_optimizers()"
@@ -498,22 +542,45 @@ class FederatedModule(LightningModule):
     # data gathering
     # ------------------------------------------------------------------------------------------
     def _batches(self, tag: str, round_idx: int, clients: Tensor, plan: Any) -> Batch:
+        """Every mini-batch the clients draw in this call, ``[C, steps, per_step, B, ...]``.
+
+        The samples are copied into buffers kept for the next call of the same shape: a fresh tensor of tens of
+        MB costs more in page faults than the copy itself (Per-FedAvg HF on W: 20 ms against 4 ms). The batches
+        live for one call (client functions are pure: they return new tensors, never views of their batches)."""
         assert self.data is not None
         idx, mask = draw_batch_indices(
             self.seed, tag, round_idx, clients, self.data.train_offsets.cpu(), plan, self._train_width
         )
-        idx = idx.to(self.device)
-        return Batch(self.data.train_x[idx], self.data.train_y[idx], mask.to(self.device))
+        x = _rows(self.data.train_x, idx, self._gather_buffer("x", idx, self.data.train_x))
+        y = _rows(self.data.train_y, idx, self._gather_buffer("y", idx, self.data.train_y))
+        return Batch(x, y, mask.to(self.device))
+
+    def _gather_buffer(self, name: str, index: Tensor, source: Tensor) -> Tensor:
+        """The reusable destination of gathering ``source[index]`` (see :meth:`_batches`)."""
+        key = (name, index.numel(), tuple(source.shape[1:]), source.dtype, source.device)
+        buffer = self._gather_buffers.get(key)
+        if buffer is None:
+            buffer = self._gather_buffers[key] = torch.empty(
+                (index.numel(), *source.shape[1:]), dtype=source.dtype, device=source.device
+            )
+        return buffer
 
     def _test_batches(self, clients: Tensor) -> Batch:
+        """The listed clients' padded test sets ``[C, width, ...]``. They never change, so the last gather is
+        kept (up to :data:`TEST_CACHE_BYTES`) and an evaluation of the same clients does not copy them again."""
         assert self.data is not None
+        key = (self.device, tuple(clients.tolist()))
+        if self._test_cache is not None and self._test_cache[0] == key:
+            return self._test_cache[1]
         offsets = self.data.test_offsets.cpu()
         counts = (offsets[1:] - offsets[:-1])[clients]
         pos = torch.arange(self._test_width)
         mask = (pos.unsqueeze(0) < counts.unsqueeze(1)).to(torch.float32)
         idx = (offsets[clients].unsqueeze(1) + pos.unsqueeze(0)) * mask.long()
-        idx = idx.to(self.device)
-        return Batch(self.data.test_x[idx], self.data.test_y[idx], mask.to(self.device))
+        batch = Batch(_rows(self.data.test_x, idx), _rows(self.data.test_y, idx), mask.to(self.device))
+        size = sum(t.numel() * t.element_size() for t in batch)
+        self._test_cache = (key, batch) if size <= TEST_CACHE_BYTES else None
+        return batch
 
     def _rank_share(self, num: int) -> Tensor:
         """Positions ``0..num-1`` this process computes (≡ rank mod world size)."""
@@ -560,6 +627,12 @@ class FederatedModule(LightningModule):
         out = self.algorithm.client_update(ctx, params, batches, state, server_state, record)
         return out, ctx.updated_buffers()
 
+    def _loop_seeds(self, tag: str, round_idx: int, clients: Tensor) -> list[int] | None:
+        """Per-client seeds of the global RNG for looped clients (dropout); the batched path draws nothing."""
+        if self.batching != "loop":
+            return None
+        return [stable_seed(self.seed, tag, round_idx, int(c)) for c in clients]
+
     def compute_round(self, round_idx: int) -> tuple[Tensor, ClientOutput, Tensor]:
         """Sample the round's clients and run their local procedures (all ranks combined)."""
         sampled = sample_clients(self.seed, round_idx, self.eligible, self.num_sampled)
@@ -567,11 +640,12 @@ class FederatedModule(LightningModule):
         local = sampled[positions] if positions.numel() else sampled[:1]
         batches = self._batches("train", round_idx, local, self.algorithm.round_plan())
         states = self.client_states.gather(local)
-        seeds = [stable_seed(self.seed, "dropout", round_idx, int(c)) for c in local]
+        seeds = self._loop_seeds("dropout", round_idx, local)
+        self.compiler.enabled = bool(self.compile_decision)
         out, buffers = run_clients(
             self._client_fn, (self._global_params(), self.server_state),
             (batches, states, self.records(local), self._buffers_of(local)),
-            local.numel(), self.batching, self.client_chunk_size, seeds, self._compiled,
+            local.numel(), self.batching, self.client_chunk_size, seeds,
             label=f"{type(self.algorithm).__name__}.client_update",
         )
         out, buffers = self._combine_ranks((out, buffers), positions, sampled.numel())
@@ -610,6 +684,8 @@ class FederatedModule(LightningModule):
         assert self.data is not None
         leaves = list(out.delta.values()) + list(out.metrics.values()) + list(flatten_state(out.extras).values())
         leaves += [t for t in flatten_state(out.state).values() if t.is_floating_point()]
+        if _sums_finite([t.reshape(t.shape[0], -1).sum(1) for t in leaves]):
+            return
         ok = torch.stack([torch.isfinite(t.reshape(t.shape[0], -1)).all(1) for t in leaves]).all(0)
         if not bool(ok.all()):
             bad = int(sampled[(~ok).nonzero()[0, 0]])
@@ -619,10 +695,35 @@ class FederatedModule(LightningModule):
                 "The global model was not updated and saved checkpoints are untouched."
             )
 
+    def _rounds_left(self, next_round: int) -> int | None:
+        """Rounds this fit still runs from ``next_round`` (None when the Trainer has no step limit)."""
+        if self._trainer is None or self.trainer.max_steps is None or self.trainer.max_steps < 0:
+            return None
+        return max(0, self.trainer.max_steps - next_round)
+
+    def _decide_compile(self, round_idx: int, eager_seconds: float) -> None:
+        """``compile_clients="auto"``: after the second round of a fit, compile the client steps if the rounds
+        left would spend at least ``AUTO_COMPILE_SECONDS`` in eager client computation (rank 0 decides)."""
+        self._eager_rounds_timed += 1
+        if self._eager_rounds_timed < 2:  # the fit's first round carries one-time costs: time the second
+            return
+        left = self._rounds_left(round_idx + 1)
+        decision = worth_compiling(left, eager_seconds)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            decision = bool(self.trainer.strategy.broadcast(decision, src=0))
+        self.compile_decision = decision
+        rank_zero_info(
+            f"[lightning_fedmeta] compile_clients='auto': {describe_decision(decision, left, eager_seconds)}"
+        )
+
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         self._on_device()
         r = int(self.global_step)
+        deciding = self.compile_decision is None and self.batching == "vmap"
+        started = time.perf_counter()
         sampled, out, weights = self.compute_round(r)
+        if deciding:
+            self._decide_compile(r, time.perf_counter() - started)
         self._check_finite(r, sampled, out)
         params = self._global_params()
         result = self.algorithm.aggregate(params, out, weights, self.server_state, self.records(sampled))
@@ -631,7 +732,9 @@ class FederatedModule(LightningModule):
                                       strict_dtypes=not torch.is_autocast_enabled(self.device.type))
             self._validated.add("aggregate")
         delta, new_server_state = result
-        if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
+        if not _sums_finite([v.sum() for v in delta.values()]) and not all(
+            bool(torch.isfinite(v).all()) for v in delta.values()
+        ):
             raise FloatingPointError(f"round {r}: the aggregated update is not finite; lower the learning rates")
         opt = self.optimizers()
         opt.zero_grad()
@@ -644,11 +747,22 @@ class FederatedModule(LightningModule):
             sch.step()  # type: ignore[union-attr]
         self.commit_round(sampled, out, new_server_state)
         metrics = weighted_mean_metrics(out.metrics, weights)
-        for k, v in metrics.items():
-            self.log(f"train/{k}", v, prog_bar=(k == "loss"), on_step=True, on_epoch=False, batch_size=1)
-        self.log("clients", float(sampled.numel()), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        self.log("round", float(r + 1), on_step=True, on_epoch=False, batch_size=1)
+        if self._logs_round(r):
+            for k, v in metrics.items():
+                self.log(f"train/{k}", v, prog_bar=(k == "loss"), on_step=True, on_epoch=False, batch_size=1)
+            self.log("clients", float(sampled.numel()), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+            self.log("round", float(r + 1), on_step=True, on_epoch=False, batch_size=1)
         return metrics.get("loss", torch.zeros((), device=self.device))
+
+    def _logs_round(self, round_idx: int) -> bool:
+        """Whether round ``round_idx`` logs its training metrics: the rounds a logger can write with
+        ``log_every_n_steps = n`` (round ≡ 0 or n − 1 mod n, whichever way the step is counted) and the last
+        round. Each ``self.log`` costs about 0.5 ms, a few percent of a compiled round."""
+        if self._trainer is None:
+            return True
+        n = max(1, int(self.trainer.log_every_n_steps or 1))
+        last = self.trainer.max_steps is not None and 0 < self.trainer.max_steps <= round_idx + 1
+        return n == 1 or last or round_idx % n == 0 or (round_idx + 1) % n == 0
 
     # ------------------------------------------------------------------------------------------
     # personalised evaluation
@@ -688,9 +802,10 @@ class FederatedModule(LightningModule):
         adapt = self._batches("adapt", round_idx, clients, self.algorithm.eval_plan())
         test = self._test_batches(clients)
         states = self.client_states.gather(clients)
-        seeds = [stable_seed(self.seed, "eval-dropout", round_idx, int(c)) for c in clients]
+        seeds = self._loop_seeds("eval-dropout", round_idx, clients)
         # evaluation touches every client: chunk it even when training runs all sampled clients at once
         chunk = self.client_chunk_size or max(self.num_sampled, 100)  # None trains all at once; evaluation chunks
+        self.compiler.enabled = self.compile_clients is True  # "auto" compiles training only (see __init__)
         with torch.inference_mode(False), torch.enable_grad():
             out = run_clients(
                 self._eval_fn, (params, self.server_state),
@@ -750,6 +865,13 @@ class FederatedModule(LightningModule):
         self._evaluate("test")
 
     def on_fit_end(self) -> None:
+        stats = self.compiler.stats
+        if stats.programs or stats.failures:
+            rank_zero_info(
+                f"[lightning_fedmeta] compiled client steps: {stats.programs} program(s), "
+                f"{stats.compile_seconds:.1f} s compiling, {stats.compiled_calls} compiled calls"
+                + (f"; could not compile: {'; '.join(stats.failures)}" if stats.failures else "")
+            )
         if self.last_summary and self.trainer.is_global_zero:
             rank_zero_info(format_summary(self.last_summary, self._round()))
 
@@ -891,6 +1013,8 @@ class FederatedModule(LightningModule):
             "loss": getattr(self, "_loss_name", None),
             # checkpoints load with weights_only=True, so the architecture is named, not pickled
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            # compile_clients="auto": a resumed run keeps the decision, so its steps round as before
+            "compile_decision": self.compile_decision,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -900,6 +1024,8 @@ class FederatedModule(LightningModule):
         self.client_states.load_state_dict(saved["client_state"])
         self.client_buffers.load_state_dict(saved.get("client_buffers") or {})
         self._placed_on = None
+        self._test_cache = None
+        self._gather_buffers = {}
         self.server_state = unflatten_state({k: v.clone() for k, v in saved["server_state"].items()})
         self._data_spec = saved.get("data_spec")
         seen = saved.get("seen")
@@ -913,6 +1039,8 @@ class FederatedModule(LightningModule):
             if self.seen is not None:
                 self.seen.zero_()
         self._loaded_round = int(checkpoint.get("global_step", 0))
+        if self.compile_clients == "auto" and saved.get("compile_decision") is not None:
+            self.compile_decision = bool(saved["compile_decision"])
         metric_state = saved.get("metric_state")
         if metric_state is not None:
             if hasattr(self, "metric") and self.data is not None:

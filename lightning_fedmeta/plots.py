@@ -27,11 +27,12 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:  # matplotlib is imported on the first drawing, not with the callbacks (start-up time)
+    from matplotlib.figure import Figure
 
 __all__ = [
     "HistoryRecord",
@@ -114,6 +115,9 @@ def worst_decile_mean(values: Sequence[float] | np.ndarray, higher_is_better: bo
 
 
 def _new_figure(width: float = 7.0, height: float = 4.5) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     return fig

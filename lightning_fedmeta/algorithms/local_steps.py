@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 
-__all__ = ["local_sgd", "prox_sgd"]
+__all__ = ["local_sgd", "prox_sgd", "prox_step"]
 
 
 def local_sgd(ctx: ClientContext, params: Params, batches: Batch, lr: float) -> tuple[Params, Tensor]:
@@ -49,7 +49,15 @@ def prox_sgd(
     w = w0
     losses = []
     for t in range(first, first + n):
-        loss, g = ctx.loss_and_grad(w, batches.at(t, 0))
-        w = {k: w[k] - lr * (g[k] + coef * (w[k] - centre[k])) for k in w}
+        # one primitive per step: compiled once and reused for every step when the module compiles
+        w, loss = ctx.step(prox_step, w, batches.at(t, 0), lr, coef, centre)
         losses.append(loss)
     return w, torch.stack(losses).mean()
+
+
+def prox_step(
+    ctx: ClientContext, w: Params, batch: Batch, lr: float | Tensor, coef: float | Tensor, centre: Params
+) -> tuple[Params, Tensor]:
+    """One proximal step ``w − η (∇F(w; D) + c (w − u))``; returns the new model and ``F(w; D)``."""
+    loss, g = ctx.loss_and_grad(w, batch)
+    return {k: w[k] - lr * (g[k] + coef * (w[k] - centre[k])) for k in w}, loss

@@ -108,16 +108,25 @@ class PerFedAvg(Algorithm):
 
         Returns the direction, ``f_i(w; D)`` and the adapted loss ``f_i(w̃; D′)``.
         """
-        loss, g = ctx.loss_and_grad(w, batches.at(t, 0))
+        return self.step_direction(ctx, w, batches.at(t))
+
+    def step_direction(self, ctx: ClientContext, w: Params, step: Batch) -> tuple[Params, Tensor, Tensor]:
+        """The direction of one meta step from its batches ``step = (D, D′[, D″])`` (leading axis)."""
+        loss, g = ctx.loss_and_grad(w, step.at(0))
         w_tilde = tree_axpy(-self.alpha, g, w)
-        meta_loss, v = ctx.loss_and_grad(w_tilde, batches.at(t, 1))
+        meta_loss, v = ctx.loss_and_grad(w_tilde, step.at(1))
         if self.variant == "fo":
             return v, loss, meta_loss
         if self.variant == "exact":
-            hv = ctx.hvp(w, batches.at(t, 2), v)
+            hv = ctx.hvp(w, step.at(2), v)
         else:
-            hv = hessian_free_hvp(ctx, w, batches.at(t, 2), v, self.delta)
+            hv = hessian_free_hvp(ctx, w, step.at(2), v, self.delta)
         return tree_axpy(-self.alpha, hv, v), loss, meta_loss
+
+    def meta_step(self, ctx: ClientContext, w: Params, step: Batch) -> tuple[Params, Tensor, Tensor]:
+        """One local meta step ``w − β · direction``; returns the new model, ``f_i(w; D)`` and ``f_i(w̃; D′)``."""
+        direction, loss, meta_loss = self.step_direction(ctx, w, step)
+        return tree_axpy(-self.beta, direction, w), loss, meta_loss
 
     def client_update(
         self,
@@ -131,8 +140,8 @@ class PerFedAvg(Algorithm):
         w = params
         losses, meta_losses = [], []
         for t in range(batches.x.shape[0]):
-            direction, loss, meta_loss = self.meta_direction(ctx, w, batches, t)
-            w = tree_axpy(-self.beta, direction, w)
+            # one primitive per step: compiled once and reused τ times when the module compiles
+            w, loss, meta_loss = ctx.step(self.meta_step, w, batches.at(t))
             losses.append(loss)
             meta_losses.append(meta_loss)
         metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}

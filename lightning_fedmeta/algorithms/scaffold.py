@@ -74,8 +74,7 @@ class Scaffold(Algorithm):
         losses = []
         steps = batches.x.shape[0]
         for t in range(steps):
-            loss, g = ctx.loss_and_grad(y, batches.at(t, 0))
-            y = {k: y[k] - self.local_lr * (g[k] - c_i[k] + c[k]) for k in y}
+            y, loss = ctx.step(self.corrected_step, y, batches.at(t, 0), c_i, c)
             losses.append(loss)
         c_new = {k: c_i[k] - c[k] + (params[k] - y[k]) / (steps * self.local_lr) for k in params}
         delta_c = tree_sub(c_new, c_i)
@@ -85,6 +84,13 @@ class Scaffold(Algorithm):
             extras={"dc": delta_c},
             metrics={"loss": torch.stack(losses).mean()},
         )
+
+    def corrected_step(
+        self, ctx: ClientContext, y: Params, batch: Batch, c_i: Params, c: Params
+    ) -> tuple[Params, Tensor]:
+        """One corrected step ``y − η_l (∇F_i(y; D) − c_i + c)``; returns the new model and ``F_i(y; D)``."""
+        loss, g = ctx.loss_and_grad(y, batch)
+        return {k: y[k] - self.local_lr * (g[k] - c_i[k] + c[k]) for k in y}, loss
 
     def aggregate(
         self,

@@ -17,8 +17,10 @@ tensors, kept on CPU) that the federated LightningModule reads from
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
@@ -27,9 +29,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_fedmeta.data.datasets import (
     DEFAULT_FASHION_MNIST_ROOT,
     IMAGE_DATASETS,
+    _load_pixels,
+    _standardize,
     download_dataset,
     has_dataset_files,
-    load_dataset,
 )
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
 from lightning_fedmeta.data.partition import (
@@ -285,7 +288,8 @@ class FederatedDataModule(L.LightningDataModule):
             )
         if self.dataset == "synthetic_next_token":
             return make_synthetic_next_token(num_clients=self.num_clients, seed=self.seed)
-        train_x, train_y, test_x, test_y = load_dataset(self.dataset, self.root, download=False)
+        # uint8 pixels: only the rows the clients get are standardised (the same floats, element-wise)
+        train_x, train_y, test_x, test_y = _load_pixels(self.dataset, self.root, download=False)
         if self.partition == "iid":
             parts = iid(train_y, self.num_clients, self.seed)
         elif self.partition == "dirichlet":
@@ -297,7 +301,10 @@ class FederatedDataModule(L.LightningDataModule):
         if self.partition != "perfedavg_paper":
             parts = cap_client_sizes(parts, self.max_samples_per_client, self.seed)
         test_parts = matching_test_split([train_y[p] for p in parts], test_y, self.seed)
-        return _gather(train_x, train_y, parts, test_x, test_y, test_parts, int(_NUM_CLASSES[self.dataset] or 0))
+        return _gather(
+            train_x, train_y, parts, test_x, test_y, test_parts, int(_NUM_CLASSES[self.dataset] or 0),
+            transform=partial(_standardize, name=self.dataset),
+        )
 
     def train_dataloader(self) -> DataLoader:
         """One token per communication round up to the next evaluation (:class:`TrainingRounds`):
@@ -334,18 +341,29 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
 
 
 def _gather(
-    train_x: Tensor, train_y: Tensor, parts: list[Tensor],
-    test_x: Tensor, test_y: Tensor, test_parts: list[Tensor], num_classes: int,
+    train_x: Tensor | np.ndarray, train_y: Tensor, parts: list[Tensor],
+    test_x: Tensor | np.ndarray, test_y: Tensor, test_parts: list[Tensor], num_classes: int,
+    transform: Callable[[Tensor | np.ndarray], Tensor] | None = None,
 ) -> FederatedData:
-    """Concatenate the rows of each client's index set into the ``FederatedData`` layout."""
+    """Concatenate the rows of each client's index set into the ``FederatedData`` layout.
+
+    Inputs may be tensors or NumPy arrays (e.g. read-only ``uint8`` views of the files); ``transform``
+    (an element-wise standardisation) is applied to the gathered rows only.
+    """
 
     def offsets(ps: list[Tensor]) -> Tensor:
         return torch.tensor([0] + [p.numel() for p in ps], dtype=torch.long).cumsum(0)
 
+    def rows(x: Tensor | np.ndarray, index: Tensor) -> Tensor:
+        picked = x[index.numpy()] if isinstance(x, np.ndarray) else x[index]  # a fresh, contiguous copy
+        if transform is not None:
+            return transform(picked)
+        return torch.from_numpy(picked) if isinstance(picked, np.ndarray) else picked
+
     tr, te = torch.cat(parts), torch.cat(test_parts)
     return FederatedData(
-        train_x=train_x[tr], train_y=train_y[tr], train_offsets=offsets(parts),
-        test_x=test_x[te], test_y=test_y[te], test_offsets=offsets(test_parts),
+        train_x=rows(train_x, tr), train_y=train_y[tr], train_offsets=offsets(parts),
+        test_x=rows(test_x, te), test_y=test_y[te], test_offsets=offsets(test_parts),
         num_classes=num_classes,
     )
 

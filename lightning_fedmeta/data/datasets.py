@@ -14,6 +14,11 @@ with the statistics customarily used for each training set:
 Files are read from disk with :mod:`lightning_fedmeta.data.idx` (MNIST, Fashion-MNIST) or from the
 "python version" pickle batches (CIFAR-10). With ``download=True`` missing files are fetched
 with ``torchvision.datasets`` into ``root``, in torchvision's layout, then read the same way.
+
+The standardisation is element-wise (each float depends on its pixel value and channel alone), so
+:class:`~lightning_fedmeta.data.datamodule.FederatedDataModule` reads the ``uint8`` pixels
+(:func:`_load_pixels`), gathers the clients' rows and standardises only those: the same floats as
+standardising everything first, without converting and copying the images no client uses.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.data.idx import read_idx_images, read_idx_labels
+from lightning_fedmeta.data.idx import check_idx_images, idx_labels_tensor, read_idx_arrays
 
 __all__ = [
     "DEFAULT_FASHION_MNIST_ROOT",
@@ -43,6 +48,9 @@ __all__ = [
 ]
 
 CentralizedData = tuple[Tensor, Tensor, Tensor, Tensor]
+#: ``(train_pixels, train_y, test_pixels, test_y)``: ``uint8 [N, C, H, W]`` arrays (possibly read-only
+#: views of the decompressed files) and int64 label tensors, before standardisation.
+CentralizedPixels = tuple[np.ndarray, Tensor, np.ndarray, Tensor]
 
 #: Where the Debian package ``dataset-fashion-mnist`` installs the four ``.gz`` IDX files.
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -71,10 +79,13 @@ _CIFAR_TEST = "test_batch"
 _APT_HINT = "apt-get update && apt-get install -y dataset-fashion-mnist"
 
 
-def _standardize(pixels: Tensor, name: str) -> Tensor:
-    """``uint8 [N, C, H, W]`` -> float32 ``(p / 255 - mean_c) / std_c``."""
+def _standardize(pixels: Tensor | np.ndarray, name: str) -> Tensor:
+    """``uint8 [N, C, H, W]`` (tensor or array) -> float32 ``(p / 255 - mean_c) / std_c``, element-wise."""
     mean, std = NORMALIZATION[name]
-    x = pixels.to(torch.float32).div_(255.0)
+    if isinstance(pixels, np.ndarray):  # a read-only view is fine: the float32 copy is made by NumPy
+        x = torch.from_numpy(pixels.astype(np.float32)).div_(255.0)
+    else:
+        x = pixels.to(torch.float32).div_(255.0)
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
     return x.sub_(m).div_(s)
@@ -154,18 +165,30 @@ def download_dataset(name: str, root: str | os.PathLike[str] | None) -> None:
     cls(os.fspath(root), train=True, download=True)
 
 
-def _load_idx_dataset(name: str, root: str | os.PathLike[str]) -> CentralizedData:
+def _standardized(pixels: CentralizedPixels, name: str) -> CentralizedData:
+    train_px, train_y, test_px, test_y = pixels
+    return _standardize(train_px, name), train_y, _standardize(test_px, name), test_y
+
+
+def _load_idx_pixels(name: str, root: str | os.PathLike[str]) -> CentralizedPixels:
+    """The four IDX files of ``name`` under ``root``, read concurrently: ``uint8 [N, 1, H, W]`` views and labels."""
     found, looked = _find_idx_files(name, root)
     if found is None:
         raise FileNotFoundError(_missing_message(name, looked))
     train_img, train_lbl, test_img, test_lbl = found
-    train_x = _standardize(read_idx_images(train_img).unsqueeze(1), name)
-    test_x = _standardize(read_idx_images(test_img).unsqueeze(1), name)
-    train_y, test_y = read_idx_labels(train_lbl), read_idx_labels(test_lbl)
+    arrays = read_idx_arrays(found)
+    train_x = check_idx_images(arrays[0], train_img)[:, None]
+    train_y = idx_labels_tensor(arrays[1], train_lbl)
+    test_x = check_idx_images(arrays[2], test_img)[:, None]
+    test_y = idx_labels_tensor(arrays[3], test_lbl)
     for split, x, y in (("train", train_x, train_y), ("test", test_x, test_y)):
         if x.shape[0] != y.shape[0]:
             raise ValueError(f"{name} {split}: {x.shape[0]} images but {y.shape[0]} labels under {root}")
     return train_x, train_y, test_x, test_y
+
+
+def _load_idx_dataset(name: str, root: str | os.PathLike[str]) -> CentralizedData:
+    return _standardized(_load_idx_pixels(name, root), name)
 
 
 def load_fashion_mnist(root: str | os.PathLike[str] | None = None, download: bool = False) -> CentralizedData:
@@ -241,15 +264,19 @@ def load_cifar10(root: str | os.PathLike[str], download: bool = False) -> Centra
     """
     if download:
         download_dataset("cifar10", root)
+    return _standardized(_load_cifar_pixels(root), "cifar10")
+
+
+def _load_cifar_pixels(root: str | os.PathLike[str]) -> CentralizedPixels:
     paths = _cifar_paths(root)
     missing = [p for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(_missing_message("cifar10", paths))
     train = [read_cifar_batch(p) for p in paths[:-1]]
     test_pixels, test_y = read_cifar_batch(paths[-1])
-    train_x = _standardize(torch.cat([x for x, _ in train]), "cifar10")
+    train_x = torch.cat([x for x, _ in train]).numpy()
     train_y = torch.cat([y for _, y in train])
-    return train_x, train_y, _standardize(test_pixels, "cifar10"), test_y
+    return train_x, train_y, test_pixels.numpy(), test_y
 
 
 def load_dataset(
@@ -260,12 +287,24 @@ def load_dataset(
     Raises:
         ValueError: unknown name, or ``root`` is ``None`` for a dataset without a default location.
     """
+    return _standardized(_load_pixels(name, root, download), name)
+
+
+def _load_pixels(
+    name: str, root: str | os.PathLike[str] | None = None, download: bool = False
+) -> CentralizedPixels:
+    """:func:`load_dataset` before the standardisation: ``uint8 [N, C, H, W]`` arrays (maybe read-only
+    views of the files' bytes) and int64 labels, with the same checks and errors."""
     if name == "fashion_mnist":
-        return load_fashion_mnist(root, download)
+        if download and (root is not None or not has_dataset_files(name, DEFAULT_FASHION_MNIST_ROOT)):
+            download_dataset(name, root)  # root=None raises: the default folder is not writable
+        return _load_idx_pixels(name, DEFAULT_FASHION_MNIST_ROOT if root is None else root)
     if name not in IMAGE_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known image datasets are {list(IMAGE_DATASETS)}")
     if root is None:
         raise ValueError(
             f"dataset {name!r} needs a `root` folder (set `root:`; add `download: true` to fetch it)"
         )
-    return load_mnist(root, download) if name == "mnist" else load_cifar10(root, download)
+    if download:
+        download_dataset(name, root)
+    return _load_idx_pixels(name, root) if name == "mnist" else _load_cifar_pixels(root)

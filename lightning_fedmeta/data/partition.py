@@ -74,6 +74,18 @@ def _sorted_parts(parts: Sequence[Tensor]) -> list[Tensor]:
     return [torch.sort(p.to(torch.long)).values for p in parts]
 
 
+def _indices_by_class(y: Tensor, num_classes: int) -> list[Tensor]:
+    """``[(y == c).nonzero().flatten() for c in range(num_classes)]`` from one stable sort of ``y``.
+
+    A stable sort keeps each class's indices ascending, exactly as ``nonzero`` lists them, so the
+    result is identical, for one pass over the labels instead of one per class.
+    """
+    order = torch.sort(y, stable=True).indices
+    counts = torch.bincount(y, minlength=num_classes)[:num_classes]
+    starts = torch.searchsorted(y[order], torch.arange(num_classes, dtype=y.dtype))
+    return [order[s : s + n] for s, n in zip(starts.tolist(), counts.tolist(), strict=True)]
+
+
 def iid(labels: Tensor | Sequence[int], num_clients: int, seed: int = 0) -> list[Tensor]:
     """Shuffle all ``N`` indices with ``seed`` and cut them into ``num_clients`` near-equal parts.
 
@@ -206,8 +218,9 @@ def perfedavg_paper(
         )
     g = _generator(seed)
     pools = {}
+    by_class = _indices_by_class(y, 10)
     for c in range(10):
-        idx = (y == c).nonzero().flatten()
+        idx = by_class[c]
         pools[c] = idx[torch.randperm(idx.numel(), generator=g)]
     taken = dict.fromkeys(range(10), 0)
     parts = []
@@ -285,8 +298,9 @@ def matching_test_split(
     counts = np.stack([torch.bincount(t, minlength=num_classes).numpy() for t in train])  # [K, C]
     g = _generator(seed)
     parts: list[list[Tensor]] = [[] for _ in train]
+    by_class = _indices_by_class(y_test, num_classes)
     for c in range(num_classes):
-        pool = (y_test == c).nonzero().flatten()
+        pool = by_class[c]
         pool = pool[torch.randperm(pool.numel(), generator=g)]
         weights = counts[:, c].astype(np.float64)
         if pool.numel() == 0 or weights.sum() == 0:

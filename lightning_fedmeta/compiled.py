@@ -1,0 +1,307 @@
+"""Compiled client primitives: each step of :class:`~lightning_fedmeta.functional.ClientContext` compiled
+once, batched over the clients, and reused for every local step and every round.
+
+Why: under ``torch.func.vmap`` every small operation of a client step pays functorch's dispatch, and
+some CPU kernels are slow on small tensors (ELU's ``expm1`` runs at about 10 ns per element), so an eager
+round of workload W sits at about 5× its GEMM floor (benchmarks/results/speed.md). ``torch.compile`` of
+the whole vmapped ``client_update`` fixes that, but dynamo unrolls its Python loop over the τ local
+steps: the compiled program, and the time to compile it, grow with τ (minutes on a cold cache for
+Per-FedAvg HF). Compiling the *primitives* instead (``sgd_step``, ``loss_and_grad``, ``grad``, ``hvp``,
+``loss``, ``predict``) gives a few small programs, each compiled once and called τ times per round.
+
+How: :func:`~lightning_fedmeta.execution.run_clients` runs ``client_update`` under ``vmap`` as before, so
+every algorithm (built-in or plugin) is unchanged. When the context calls a primitive with only that one
+``vmap`` level active, the call leaves the ``vmap`` the way a custom batching rule does (what
+``torch.autograd.Function``'s ``vmap`` staticmethod does, PyTorch docs "Extending torch.func with
+autograd.Function", without its generic wrapping, which cost ~0.3 ms per call): it takes each argument's
+underlying tensor with all clients stacked along one axis (``_unwrap_batched``), steps below the ``vmap``
+level (``interpreter.lower()``), calls ``torch.compile(vmap(primitive))`` on them and hands the stacked
+results back to the surrounding ``vmap`` (``_add_batch_dim``). The algorithm's own arithmetic between
+primitives stays eager under ``vmap``.
+
+Numbers: a compiled primitive computes the same function with fused, re-ordered floating-point
+operations, so results agree with the eager path to rounding (tested to 1e-5 relative), not bit for bit.
+A primitive that cannot be compiled (no C++ compiler, an operation dynamo cannot trace) warns once and
+runs eagerly, batched the same way. Calls that need a gradient through the primitive (FedMAML's second
+order, a user's ``grad`` around ``ctx.sgd_step``), calls under an extra ``torch.func`` transform, and
+contexts with per-client BatchNorm statistics always run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._C._functorch import _add_batch_dim, _unwrap_batched
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch.func import vmap
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+__all__ = [
+    "AUTO_COMPILE_SECONDS",
+    "CompileStats",
+    "PrimitiveCompiler",
+    "describe_decision",
+    "only_client_vmap",
+    "worth_compiling",
+]
+
+#: ``compile_clients="auto"`` compiles when the rounds left would spend at least this many seconds in eager
+#: client computation. Compiling costs about 3–25 s once (warm or cold cache, benchmarks/results/speed.md)
+#: and makes rounds about 2–3× faster, so at this threshold it saves at least the time it costs.
+AUTO_COMPILE_SECONDS = 30.0
+
+
+def worth_compiling(
+    rounds_left: int | None, eager_round_seconds: float, threshold: float = AUTO_COMPILE_SECONDS
+) -> bool:
+    """Whether ``rounds_left`` rounds of ``eager_round_seconds`` each reach ``threshold`` seconds of eager
+    client computation (an unknown number of rounds never compiles: eager is never wrong)."""
+    return rounds_left is not None and rounds_left * eager_round_seconds >= threshold
+
+
+def describe_decision(decision: bool, rounds_left: int | None, eager_round_seconds: float) -> str:
+    """The log line of an automatic decision: what was measured and what follows."""
+    ms = 1e3 * eager_round_seconds
+    if rounds_left is None:
+        return (f"the run has no step limit, so the client steps stay eager ({ms:.0f} ms per round); "
+                "set compile_clients=true to compile them")
+    total = rounds_left * eager_round_seconds
+    verdict = "compiling the client steps" if decision else "the client steps stay eager"
+    sign = ">=" if decision else "<"
+    return (f"{verdict}: {rounds_left} rounds left x {ms:.0f} ms eager = {total:.0f} s {sign} "
+            f"{AUTO_COMPILE_SECONDS:.0f} s (set compile_clients=true/false to choose)")
+
+
+def only_client_vmap() -> bool:
+    """Whether exactly one ``torch.func`` transform is active and it is a ``vmap`` (the clients' axis)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is not None and len(stack) == 1 and stack[0].key() == torch._C._functorch.TransformType.Vmap
+
+
+@dataclass
+class CompileStats:
+    """What a :class:`PrimitiveCompiler` did: programs compiled, seconds spent in the calls that compiled
+    them (tracing, code generation, the C++ compiler), calls served compiled, and failures."""
+
+    programs: int = 0
+    compile_seconds: float = 0.0
+    compiled_calls: int = 0
+    eager_calls: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class _Primitive:
+    """One call of a primitive: ``fn(*operands)`` per client, with the operands flattened to tensors
+    (``spec`` rebuilds them), computed for all clients at once by :meth:`batched`."""
+
+    def __init__(self, owner: PrimitiveCompiler, key: Any, fn: Callable[..., Any], spec: TreeSpec) -> None:
+        self.owner = owner
+        self.key = key
+        self.fn = fn
+        self.spec = spec
+        self.out_spec: TreeSpec | None = None
+
+    def per_client(self, *leaves: Tensor) -> Any:
+        return self.fn(*tree_unflatten(list(leaves), self.spec))
+
+    def flat(self, out: Any) -> tuple[Tensor, ...]:
+        leaves, self.out_spec = tree_flatten(out)
+        return tuple(leaves)
+
+    def batched(self, batch_size: int, in_dims: tuple[int | None, ...], leaves: tuple[Tensor, ...]) -> tuple[Any, Any]:
+        """The primitive on all clients at once: every operand stacked along axis 0 (an operand shared by all
+        clients is repeated, so one program serves every call), results stacked along axis 0."""
+        stacked = tuple(
+            t.unsqueeze(0).expand(batch_size, *t.shape).contiguous() if d is None else t.movedim(d, 0)
+            for t, d in zip(leaves, in_dims, strict=True)
+        )
+
+        def eager() -> Any:  # the eager path's own batching of each operand: the eager numbers, bit for bit
+            return vmap(self.per_client, in_dims=in_dims)(*leaves)
+
+        out = self.flat(self.owner._run(self, stacked, eager))
+        return out, (0,) * len(out)
+
+
+class PrimitiveCompiler:
+    """Compiles the client context's primitives, batched over clients, on demand.
+
+    Args:
+        enabled: whether calls are compiled now (the module switches it, e.g. on after ``compile_clients="auto"``
+            decided the run is long enough; off for evaluation).
+        backend: ``torch.compile`` backend (``"inductor"``: fused C++/OpenMP kernels on CPU, Triton on GPU).
+        skip_isa_probe: trust the CPU's reported vector instructions (``/proc/cpuinfo``) instead of letting
+            inductor compile one test program per instruction set on a cold cache (6–10 s on a 2-core
+            machine). A compiler that rejects the flags makes the compile fail, which falls back to eager.
+
+    A primitive is keyed by its name and static arguments (Python numbers such as a learning rate); each
+    distinct shape of the stacked operands (clients per chunk, batch size) is one program (``dynamic=False``:
+    static shapes give the fastest CPU kernels and the numbers do not depend on which other shapes were seen).
+    """
+
+    def __init__(self, enabled: bool = False, backend: str = "inductor", skip_isa_probe: bool = True) -> None:
+        self.enabled = enabled
+        self.backend = backend
+        self.skip_isa_probe = skip_isa_probe
+        self.stats = CompileStats()
+        self._programs: dict[Any, Callable[..., Any] | None] = {}
+        self._shapes: set[Any] = set()
+        self._failed: set[Any] = set()  # primitives that could not compile: eager from then on, not even batched here
+        self._specs: dict[Any, list[TreeSpec]] = {}  # operand structures seen per primitive (part of a program's key)
+        self._modules: dict[int, list[nn.Module]] = {}
+        self._inside = False
+
+    # -- the context's entry point ---------------------------------------------------------------
+    def call(self, key: Any, fn: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+        """``fn(*operands)`` for the current client, computed for all clients by the compiled program, or
+        ``NotImplemented`` when this call must run eagerly (compiling off, not directly under the clients'
+        ``vmap``, an operand requiring grad, or already inside a compiled primitive)."""
+        if not self.enabled or self._inside or key in self._failed or not only_client_vmap():
+            return NotImplemented
+        leaves, spec = tree_flatten(operands)
+        if any(not isinstance(t, Tensor) for t in leaves):  # e.g. a number inside a dict: not batchable as is
+            return NotImplemented
+        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+            return NotImplemented
+        interpreter = retrieve_current_functorch_interpreter()
+        level = interpreter.level()
+        unwrapped = [_unwrap_batched(t, level) for t in leaves]
+        in_dims = tuple(d for _, d in unwrapped)
+        if all(d is None for d in in_dims):  # nothing per client: one eager call serves all
+            return NotImplemented
+        primitive = _Primitive(self, key, fn, spec)
+        with interpreter.lower():  # leave the clients' vmap: plain tensors with the clients stacked
+            out, _ = primitive.batched(interpreter.batch_size(), in_dims, tuple(t for t, _ in unwrapped))
+        assert primitive.out_spec is not None
+        return tree_unflatten([_add_batch_dim(t, 0, level) for t in out], primitive.out_spec)
+
+    # -- compiling and running ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _inductor_options(self) -> Iterator[None]:
+        if self.backend != "inductor" or not self.skip_isa_probe:
+            yield
+            return
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            yield
+
+    def _program(self, key: Any, fn: Callable[..., Any]) -> Callable[..., Any] | None:
+        if key not in self._programs:
+            autocast = key[2]
+
+            def per_client(*leaves: Tensor) -> Any:
+                with _autocast(autocast):
+                    return fn(*leaves)
+
+            self._programs[key] = torch.compile(
+                _own_code(vmap(per_client)), backend=self.backend, dynamic=False, fullgraph=True,
+                options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
+            )
+        return self._programs[key]
+
+    def _structure(self, primitive: _Primitive) -> int:
+        """Which operand structure (pytree spec) of this primitive the call has: programs take flat tensors."""
+        seen = self._specs.setdefault(primitive.key, [])
+        for i, spec in enumerate(seen):
+            if spec == primitive.spec:
+                return i
+        seen.append(primitive.spec)
+        return len(seen) - 1
+
+    def _training_flags(self, key: Any) -> tuple[bool, ...]:
+        """The train/eval flags of the modules of the context in ``key`` (a program traced in one mode must not
+        serve the other: dropout, normalisation, a model's own ``if self.training``)."""
+        model = getattr(key[1], "model", None)
+        if model is None:
+            return ()
+        modules = self._modules.get(id(model))
+        if modules is None:
+            modules = self._modules[id(model)] = list(model.modules())
+        return tuple(m.training for m in modules)
+
+    def _run(self, primitive: _Primitive, stacked: tuple[Any, ...], eager: Callable[[], Any]) -> Any:
+        self._inside = True
+        try:
+            key = (primitive.key, self._structure(primitive), _autocast_state(), self._training_flags(primitive.key))
+            program = self._program(key, primitive.per_client)
+            if program is None:
+                self.stats.eager_calls += 1
+                return eager()
+            shape_key = (key, tuple((t.shape, t.dtype) for t in stacked))
+            first = shape_key not in self._shapes
+            t0 = time.perf_counter()
+            try:
+                with self._inductor_options() if first else contextlib.nullcontext():
+                    out = program(*stacked)
+            except Exception as exc:  # a primitive torch.compile cannot handle: eager from now on
+                self._programs[key] = None
+                reason = _reason(exc)
+                self.stats.failures.append(f"{primitive.key[0]}: {reason}")
+                warnings.warn(
+                    f"torch.compile could not compile the client primitive {primitive.key[0]!r} ({reason}); it runs "
+                    "eagerly (batched) from now on. Set compile_clients=False to silence this.",
+                    stacklevel=2,
+                )
+                self._failed.add(primitive.key)
+                self.stats.eager_calls += 1
+                return eager()
+            if first:
+                self._shapes.add(shape_key)
+                self.stats.programs += 1
+                self.stats.compile_seconds += time.perf_counter() - t0
+            self.stats.compiled_calls += 1
+            return out
+        finally:
+            self._inside = False
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause of a compile failure in one line (dynamo wraps backend errors in BackendCompilerFailed)."""
+    while True:
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if not isinstance(inner, BaseException) or inner is exc:
+            break
+        exc = inner
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind a function with a code object of its own.
+
+    Dynamo keeps compiled programs per code object and picks one by its guards. The programs here keep only
+    the guards on their tensors (shapes, strides, dtypes, devices: dynamo's default guards on the model's
+    modules cost ~0.3 ms per call); everything else a program depends on (the primitive, the context, static
+    arguments, train/eval mode, autocast) is in its key. Without a code object of its own, two primitives
+    called with tensors of the same shapes (``grad`` and ``loss_and_grad``) would share one cache entry.
+    ``fullgraph=True`` keeps the whole primitive in that one frame (a graph break would resume in shared code).
+    """
+    namespace: dict[str, Any] = {"_fn": fn}
+    exec("def program(*operands):\n    return _fn(*operands)\n", namespace)  # a new code object per call
+    return namespace["program"]
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """The ambient autocast setting of the CPU and CUDA (part of a program's key, re-entered inside it)."""
+    state = []
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            state.append((device, True, torch.get_autocast_dtype(device)))
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def _autocast(state: tuple[tuple[str, bool, torch.dtype], ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
+
