@@ -268,7 +268,17 @@ class ClientContext:
         hyper-parameters) and of its closure are part of the program's key, so changing one compiles a new
         program instead of reusing a stale one. Built-in uses: Per-FedAvg's meta step, the proximal step.
         """
-        return self._dispatch(("step", *_function_key(fn)), lambda *ops: fn(self, *ops), operands)
+        plain = self._uncompiled()
+        return self._dispatch(("step", *_function_key(fn)), lambda *ops: fn(plain, *ops), operands)
+
+    def _uncompiled(self) -> ClientContext:
+        """This context without its compiler: what a compiled step's own primitive calls go through (they are
+        part of the step's program, not programs of their own)."""
+        if self.compiler is None:
+            return self
+        ctx = copy.copy(self)
+        ctx.compiler = None
+        return ctx
 
     # -- forward ----------------------------------------------------------------------------
     def predict(self, params: Params, x: Tensor) -> Tensor:

@@ -299,3 +299,22 @@ def test_default_model_by_task(
 def test_default_model_rejects_unknown_task() -> None:
     with pytest.raises(ValueError, match="task must be one of"):
         default_model((3,), 2, task="ranking")
+
+
+def test_mlp_elu_is_nn_elu_eagerly_and_to_float32_rounding_when_compiled() -> None:
+    """models.ELU compiles to α(exp(x) − 1) for x ≤ 0 (inductor's expm1 is slow): the same function."""
+    from lightning_fedmeta.models import ELU
+
+    x = torch.cat([torch.linspace(-20, 5, 10_001), torch.tensor([-1e-6, -1e-30, 0.0, 1e-30, 100.0])])
+    for alpha in (1.0, 0.5):
+        fast, ref = ELU(alpha), nn.ELU(alpha)
+        assert torch.equal(fast(x), ref(x))  # eager: nn.ELU itself
+        compiled = torch.compile(fast, backend="aot_eager", fullgraph=True)  # traced: the exp form
+        exact = nn.functional.elu(x.double(), alpha)
+        assert (compiled(x).double() - exact).abs().max() < 1e-7
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        compiled(xa).sum().backward()
+        ref(xb).sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, atol=1e-7, rtol=1e-6)
+        assert torch.isfinite(xa.grad).all()
+    assert isinstance(MLP(4, [3], 2, "elu").net[2], nn.ELU)  # still an nn.ELU for isinstance checks
