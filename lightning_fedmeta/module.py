@@ -556,13 +556,13 @@ class FederatedModule(LightningModule):
         return Batch(x, y, mask.to(self.device))
 
     def _gather_buffer(self, name: str, index: Tensor, source: Tensor) -> Tensor:
-        """The reusable destination of gathering ``source[index]`` (see :meth:`_batches`)."""
-        key = (name, index.numel(), tuple(source.shape[1:]), source.dtype, source.device)
-        buffer = self._gather_buffers.get(key)
-        if buffer is None:
-            buffer = self._gather_buffers[key] = torch.empty(
-                (index.numel(), *source.shape[1:]), dtype=source.dtype, device=source.device
-            )
+        """The reusable destination of gathering ``source[index]`` (see :meth:`_batches`): one buffer per tensor
+        name, replaced when the shape changes (training and evaluation batches never hold two at once)."""
+        shape = (index.numel(), *source.shape[1:])
+        buffer = self._gather_buffers.get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != source.dtype or buffer.device != source.device:
+            self._gather_buffers.pop(name, None)  # freed before the new one is allocated
+            buffer = self._gather_buffers[name] = torch.empty(shape, dtype=source.dtype, device=source.device)
         return buffer
 
     def _test_batches(self, clients: Tensor) -> Batch:
