@@ -346,11 +346,16 @@ class AlgorithmResult:
     data_ms: float = math.nan
     eval_ms: float = math.nan
     eval_compiled_ms: float = math.nan
+    #: the 10-client GEMM throughput measured right after this algorithm's default rounds (the machine's speed
+    #: drifts over minutes, so each ratio uses the throughput of its own minute)
+    floor_gflops: float = math.nan
     gflop: float = math.nan
     peak_mb: float = math.nan
 
     def floor_ms(self, gflops: float) -> float:
-        return self.gflop / gflops * 1e3
+        """The GEMM floor of a round at this algorithm's own measured throughput (else ``gflops``)."""
+        own = self.floor_gflops if not math.isnan(self.floor_gflops) else gflops
+        return self.gflop / own * 1e3
 
 
 def measure_algorithm(
@@ -373,6 +378,7 @@ def measure_algorithm(
     if default:
         module, opt = make_module(build_algorithm(spec, tau=tau), data, CLIENTS_PER_ROUND, "vmap", compile_clients=True)
         res.default_ms = time_rounds(module, opt, warmup, repeats)  # the warm-up rounds pay the compilation
+        res.floor_gflops = gemm_throughput(CLIENTS_PER_ROUND, min_time=0.1).gflops
         res.eval_compiled_ms = time_evaluation(module, max(1, warmup // 2), max(2, repeats // 2))
     if loop:
         module, opt = make_module(build_algorithm(spec, tau=tau), data, CLIENTS_PER_ROUND, "loop")
@@ -387,18 +393,21 @@ def _fmt(x: float, digits: int = 1) -> str:
 
 def algorithm_table(results: list[AlgorithmResult], gflops: float) -> str:
     head = (
-        "| algorithm | ms/round loop | ms/round eager vmap | ms/round default (compiled) | GFLOP/round | GEMM floor ms "
-        "| eager ÷ floor | **default ÷ floor** | data ms | eval ms eager | eval ms compiled | peak RSS MiB |"
+        "| algorithm | ms/round loop | ms/round eager vmap | ms/round default (compiled) | GFLOP/round | GEMM GFLOP/s "
+        "| GEMM floor ms | eager ÷ floor | **default ÷ floor** | data ms | eval ms eager | eval ms compiled "
+        "| peak RSS MiB |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.label} | skipped: {r.skipped} |" + " |" * 10)
+            lines.append(f"| {r.label} | skipped: {r.skipped} |" + " |" * 11)
             continue
         floor = r.floor_ms(gflops)
+        throughput = r.floor_gflops if not math.isnan(r.floor_gflops) else gflops
         lines.append(
             f"| {r.label} | {_fmt(r.loop_ms)} | {_fmt(r.vmap_ms)} | {_fmt(r.default_ms)} | {_fmt(r.gflop, 3)} "
-            f"| {_fmt(floor)} | {_fmt(r.vmap_ms / floor, 2)}× | **{_fmt(r.default_ms / floor, 2)}×** "
+            f"| {_fmt(throughput, 0)} | {_fmt(floor)} | {_fmt(r.vmap_ms / floor, 2)}× "
+            f"| **{_fmt(r.default_ms / floor, 2)}×** "
             f"| {_fmt(r.data_ms)} | {_fmt(r.eval_ms)} | {_fmt(r.eval_compiled_ms)} | {_fmt(r.peak_mb, 0)} |"
         )
     return "\n".join(lines)
@@ -731,8 +740,9 @@ def main(argv: list[str] | None = None) -> int:
         report += [f"| {label} | {v:.1f} |" for label, v in g.per_shape]
         report.append(f"| **one fwd+bwd step, {g.clients} client(s)** | **{g.gflops:.1f}** |")
     floor_gflops = gemm[CLIENTS_PER_ROUND].gflops
-    report += ["", f"GEMM floor of a round = GEMM FLOPs of the round ÷ {floor_gflops:.1f} GFLOP/s "
-               f"(the {CLIENTS_PER_ROUND}-client batched throughput).", ""]
+    report += ["", f"GEMM floor of a round = GEMM FLOPs of the round ÷ the {CLIENTS_PER_ROUND}-client batched "
+               f"throughput ({floor_gflops:.1f} GFLOP/s here; the per-algorithm table re-measures it right after "
+               "each algorithm's default rounds, since this machine's speed drifts over minutes).", ""]
 
     with _section("Workload W data"):
         data = load_workload()

@@ -118,10 +118,10 @@ class _Primitive:
     def batched(self, batch_size: int, in_dims: tuple[int | None, ...], leaves: tuple[Tensor, ...]) -> tuple[Any, Any]:
         """The primitive on all clients at once: every operand stacked along axis 0 (an operand shared by all
         clients is repeated, so one program serves every call), results stacked along axis 0."""
-        stacked = tuple(
-            t.unsqueeze(0).expand(batch_size, *t.shape).contiguous() if d is None else t.movedim(d, 0)
+        stacked = _without_aliases(tuple(
+            self.owner._repeated(t, batch_size) if d is None else t.movedim(d, 0)
             for t, d in zip(leaves, in_dims, strict=True)
-        )
+        ))
 
         def eager() -> Any:  # the eager path's own batching of each operand: the eager numbers, bit for bit
             return vmap(self.per_client, in_dims=in_dims)(*leaves)
@@ -156,6 +156,7 @@ class PrimitiveCompiler:
         self._failed: set[Any] = set()  # primitives that could not compile: eager from then on, not even batched here
         self._specs: dict[Any, list[TreeSpec]] = {}  # operand structures seen per primitive (part of a program's key)
         self._modules: dict[int, list[nn.Module]] = {}
+        self._repeats: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         self._inside = False
 
     # -- the context's entry point ---------------------------------------------------------------
@@ -182,6 +183,21 @@ class PrimitiveCompiler:
         assert primitive.out_spec is not None
         return tree_unflatten([_add_batch_dim(t, 0, level) for t in out], primitive.out_spec)
 
+    def new_call(self) -> None:
+        """Forget the repeated copies of shared operands (called by the module before each batch of clients)."""
+        self._repeats.clear()
+
+    def _repeated(self, t: Tensor, batch_size: int) -> Tensor:
+        """``t`` repeated for every client, ``[batch_size, *t.shape]``; one copy per tensor and client count until
+        :meth:`new_call` (a prox centre or a control variate is shared by all τ steps of a round)."""
+        key = (id(t), t._version, batch_size)
+        hit = self._repeats.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        copy = t.unsqueeze(0).expand(batch_size, *t.shape).contiguous()
+        self._repeats[key] = (t, copy)  # keeps t alive, so its id is not reused while the copy is kept
+        return copy
+
     # -- compiling and running ----------------------------------------------------------------------
     @contextlib.contextmanager
     def _inductor_options(self) -> Iterator[None]:
@@ -203,7 +219,7 @@ class PrimitiveCompiler:
 
             self._programs[key] = torch.compile(
                 _own_code(vmap(per_client)), backend=self.backend, dynamic=False, fullgraph=True,
-                options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
+                options={"guard_filter_fn": _tensor_guards},
             )
         return self._programs[key]
 
@@ -261,6 +277,31 @@ class PrimitiveCompiler:
             return out
         finally:
             self._inside = False
+
+
+#: the guards a program keeps: each input tensor's metadata, and whether inputs are the same tensor
+_KEPT_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "NO_TENSOR_ALIASING"})
+
+
+def _tensor_guards(entries: list[Any]) -> list[bool]:
+    """Guard filter of the programs: keep the tensors' guards (see :func:`_own_code` for why the rest go)."""
+    return [entry.guard_type in _KEPT_GUARDS for entry in entries]
+
+
+def _without_aliases(stacked: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``stacked`` with any tensor that shares memory with an earlier one copied: a program compiled for inputs
+    that alias each other (e.g. a prox step's model and centre, both the shared global model in a round's first
+    step) must never serve inputs that do not, nor the reverse, so programs only ever see distinct memory."""
+    seen: set[int] = set()
+    out = []
+    for t in stacked:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(t)
+    return tuple(out)
 
 
 def _reason(exc: BaseException) -> str:

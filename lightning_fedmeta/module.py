@@ -642,6 +642,7 @@ class FederatedModule(LightningModule):
         states = self.client_states.gather(local)
         seeds = self._loop_seeds("dropout", round_idx, local)
         self.compiler.enabled = bool(self.compile_decision)
+        self.compiler.new_call()
         out, buffers = run_clients(
             self._client_fn, (self._global_params(), self.server_state),
             (batches, states, self.records(local), self._buffers_of(local)),
@@ -806,6 +807,7 @@ class FederatedModule(LightningModule):
         # evaluation touches every client: chunk it even when training runs all sampled clients at once
         chunk = self.client_chunk_size or max(self.num_sampled, 100)  # None trains all at once; evaluation chunks
         self.compiler.enabled = self.compile_clients is True  # "auto" compiles training only (see __init__)
+        self.compiler.new_call()
         with torch.inference_mode(False), torch.enable_grad():
             out = run_clients(
                 self._eval_fn, (params, self.server_state),

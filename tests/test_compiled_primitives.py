@@ -206,3 +206,25 @@ def test_a_resumed_auto_run_keeps_the_decision_of_its_checkpoint(tmp_path: Any) 
 def test_compile_clients_refuses_other_values() -> None:
     with pytest.raises(ValueError, match="compile_clients must be"):
         FederatedModule(model=nn.Linear(5, 3), compile_clients="yes")  # type: ignore[arg-type]
+
+
+def test_a_program_never_serves_operands_that_alias_differently_from_those_it_was_compiled_for() -> None:
+    """A prox step's model and centre are the same tensor in a round's first step and differ later: a program
+    compiled for aliased inputs must not be reused for distinct ones (nor the reverse)."""
+    model = nn.Linear(3, 2)
+    ctx = ClientContext(model, compiler=PrimitiveCompiler(enabled=True, backend="aot_eager"))
+    eager = ClientContext(model)
+
+    def step(c: ClientContext, w: dict[str, torch.Tensor], u: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: 2.0 * w[k] - u[k] for k in w}
+
+    stacked = {k: v.detach().expand(4, *v.shape) + torch.arange(4.0).reshape(-1, *[1] * v.dim()) for k, v in
+               model.named_parameters()}
+    for same in (True, False, True):
+        def run(c: ClientContext, same: bool = same) -> dict[str, torch.Tensor]:
+            return vmap(lambda w: c.step(step, w, w if same else {k: v * 3.0 for k, v in w.items()}))(stacked)
+
+        got, want = run(ctx), run(eager)
+        for k in got:
+            torch.testing.assert_close(got[k], want[k])
+    assert ctx.compiler is not None and ctx.compiler.stats.compiled_calls == 3
