@@ -43,8 +43,7 @@ from speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_r
 
 import lightning_fedmeta.functional as functional_lib  # noqa: E402
 import lightning_fedmeta.module as module_lib  # noqa: E402
-from lightning_fedmeta.functional import Batch, Params  # noqa: E402
-from lightning_fedmeta.module import FederatedModule  # noqa: E402
+from lightning_fedmeta.functional import Params  # noqa: E402
 
 __all__ = ["SectionTimer", "profile_sections", "PROPOSALS", "compare_proposals", "main"]
 
@@ -117,31 +116,13 @@ def _fused_tree_axpy(alpha: float | Tensor, x: Params, y: Params) -> Params:
     return {k: torch.add(y[k], x[k], alpha=alpha) for k in y}
 
 
-def _index_select_batches(self: Any, tag: str, round_idx: int, clients: Tensor, plan: Any) -> Batch:
-    """``FederatedModule._batches`` with one ``index_select`` per tensor instead of advanced indexing."""
-    idx, mask = module_lib.draw_batch_indices(
-        self.seed, tag, round_idx, clients, self.data.train_offsets.cpu(), plan, self._train_width
-    )
-    flat = idx.to(self.device).reshape(-1)
-    x = self.data.train_x.index_select(0, flat).view(*idx.shape, *self.data.train_x.shape[1:])
-    return Batch(x, self.data.train_y.index_select(0, flat).view(idx.shape), mask.to(self.device))
-
-
 def _patch_axpy(on: bool) -> None:
     fn = _fused_tree_axpy if on else _ORIGINAL_AXPY
     for mod in (functional_lib, *_AXPY_IMPORTERS):
         mod.tree_axpy = fn
 
 
-def _patch_gather(on: bool) -> None:
-    if on:
-        FederatedModule._batches = _index_select_batches  # type: ignore[method-assign]
-    else:
-        FederatedModule._batches = _ORIGINAL_BATCHES  # type: ignore[method-assign]
-
-
 _ORIGINAL_AXPY = functional_lib.tree_axpy
-_ORIGINAL_BATCHES = FederatedModule._batches
 _AXPY_IMPORTERS = [
     sys.modules[name] for name in ("lightning_fedmeta.algorithms.perfedavg", "lightning_fedmeta.algorithms.fedmaml")
     if _import_quietly(name)
@@ -150,7 +131,6 @@ _AXPY_IMPORTERS = [
 #: name -> switch(on) of each proposal; "all" switches every one.
 PROPOSALS: dict[str, Callable[[bool], None]] = {
     "fused tree_axpy (torch.add alpha=)": _patch_axpy,
-    "index_select mini-batch gather": _patch_gather,
 }
 
 

@@ -241,7 +241,7 @@ class ClientContext:
         :mod:`lightning_fedmeta.compiled`), else eagerly. Python numbers among ``operands`` are static: part of
         the program's key, not inputs. Contexts with prepared BatchNorm layers run eagerly."""
         compiler = self.compiler
-        if compiler is None or self._layers:
+        if compiler is None or not compiler.enabled or self._layers:  # eager rounds pay nothing for the compiler
             return impl(*operands)
         statics = tuple((i, o) for i, o in enumerate(operands) if o is None or isinstance(o, (bool, int, float, str)))
         fn = impl
@@ -268,6 +268,8 @@ class ClientContext:
         hyper-parameters) and of its closure are part of the program's key, so changing one compiles a new
         program instead of reusing a stale one. Built-in uses: Per-FedAvg's meta step, the proximal step.
         """
+        if self.compiler is None or not self.compiler.enabled or self._layers:
+            return fn(self, *operands)  # eager: no program key, no context copy
         plain = self._uncompiled()
         return self._dispatch(("step", *_function_key(fn)), lambda *ops: fn(plain, *ops), operands)
 
