@@ -15,22 +15,53 @@ A configuration error found before anything runs (an unknown algorithm, a hyper-
 range, ``test`` without a checkpoint) raises :class:`FedMetaConfigError` (a ``ValueError``) from
 :func:`run`; the ``fedmeta`` console script (:func:`main`) prints its message alone and exits with
 status 2.
+
+With ``--ckpt_path`` (docs/reliability.md, "Crashes and checkpoints"):
+
+    fedmeta fit --config run.yaml --ckpt_path last          # resume a killed run, in a new process
+
+``last`` is the newest ``last*.ckpt`` of the configuration's checkpoint folders, earlier ``version_N``
+folders of the logger included (:func:`find_last_checkpoint`; none: the run starts at round 0). A damaged
+checkpoint, or one written with other settings than the ones given (other than the execution-only
+settings that may change), is refused before anything is built; settings not given take the
+checkpoint's values.
 """
 
 from __future__ import annotations
 
+import glob
 import inspect
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_fedmeta.checkpointing import (
+    CHANGEABLE_DATA_SETTINGS,
+    CHANGEABLE_MODEL_SETTINGS,
+    EVALUATION_ONLY_SETTINGS,
+    CheckpointDamagedError,
+    CheckpointSettingsError,
+    SettingDifference,
+    compare_algorithms,
+    compare_settings,
+    describe_algorithm,
+    load_checkpoint_file,
+    plain_value,
+    settings_message,
+    verify_checkpoint,
+)
 from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.module import FederatedModule
 
-__all__ = ["FedMetaCLI", "FedMetaConfigError", "main", "run", "print_algorithms"]
+__all__ = [
+    "FedMetaCLI", "FedMetaConfigError", "checkpoint_dirs", "find_last_checkpoint", "main", "run", "print_algorithms",
+]
 
 HELPER_COMMANDS = ("algorithms", "compare")
 EVALUATION_COMMANDS = ("validate", "test")
@@ -65,6 +96,58 @@ def _check_evaluation_checkpoint(subcommand: str, ckpt_path: Any, untrained: boo
         )
 
 
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    """``obj[key]`` of a config node (a jsonargparse Namespace, a dict), ``default`` when absent."""
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    getter = getattr(obj, "get", None)
+    return getter(key, default) if callable(getter) else getattr(obj, key, default)
+
+
+def checkpoint_dirs(trainer_cfg: Any) -> list[str]:
+    """The folders where the Trainer of this configuration writes its ModelCheckpoint files: each configured
+    ``ModelCheckpoint``'s ``dirpath``, and the default ``<save_dir>/<name>/<version>/checkpoints`` of the first
+    logger for every version already there (``<default_root_dir>/checkpoints`` without a logger)."""
+    root = str(_get(trainer_cfg, "default_root_dir") or os.getcwd())
+    dirs: list[str] = []
+    callbacks = _get(trainer_cfg, "callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if str(_get(callback, "class_path", "") or "").endswith("ModelCheckpoint"):
+            dirpath = _get(_get(callback, "init_args"), "dirpath")
+            if dirpath:
+                dirs.append(str(dirpath))
+    logger = _get(trainer_cfg, "logger")
+    first = (logger or [None])[0] if isinstance(logger, list) else logger
+    if first is False:
+        dirs.append(os.path.join(root, "checkpoints"))
+    else:
+        init = _get(first, "init_args") if first not in (None, True) else None
+        save_dir = str(_get(init, "save_dir") or root)
+        name = str(_get(init, "name", "lightning_logs") or "")
+        dirs.extend(sorted(glob.glob(os.path.join(glob.escape(save_dir), glob.escape(name), "*", "checkpoints"))))
+    return dirs
+
+
+def find_last_checkpoint(trainer_cfg: Any) -> tuple[str | None, list[str]]:
+    """``--ckpt_path last`` for a new process: the newest ``last*.ckpt`` (by modification time, as Lightning
+    picks among its candidates) in :func:`checkpoint_dirs`; ``None`` when there is none. Also returns the
+    folders searched.
+
+    Lightning resolves ``last`` through the new Trainer's own checkpoint folder, which under the default
+    logger is a new ``version_N+1`` folder: without this, a resumed ``fedmeta fit`` would start from round 0.
+    """
+    dirs = checkpoint_dirs(trainer_cfg)
+    found = []
+    for directory in dirs:
+        if os.path.isdir(directory):
+            for entry in os.scandir(directory):
+                if entry.is_file() and entry.name.startswith("last") and entry.name.endswith(".ckpt"):
+                    found.append((entry.stat().st_mtime_ns, entry.path))
+    return (max(found)[1] if found else None), dirs
+
+
 def _requested_subcommand(args: Any, names: Sequence[str]) -> str | None:
     """The subcommand a command line starts with (``fit ...``), or ``None`` when it does not start with one
     (options first, ``--help``, a dict or Namespace of arguments)."""
@@ -88,6 +171,127 @@ class FedMetaCLI(LightningCLI):
         bound = inspect.signature(LightningCLI.__init__).bind(self, *args, **kwargs)
         self._only_subcommand = _requested_subcommand(bound.arguments.get("args"), tuple(self.subcommands()))
         super().__init__(*args, **kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse as LightningCLI does; with a ``ckpt_path``, also note which settings the user gave (a config
+        file or the command line, without the defaults): only those are compared with the checkpoint's."""
+        super().parse_arguments(parser, args)
+        self._given: Any = None
+        sub = self.config.get("subcommand")
+        if not sub or not _get(self.config[sub], "ckpt_path"):
+            return
+        try:
+            if isinstance(args, dict) or type(args).__name__ == "Namespace":
+                self._given = parser.parse_object(args, defaults=False)
+            else:
+                self._given = parser.parse_args(sys.argv[1:] if args is None else args, defaults=False)
+        except (Exception, SystemExit):  # noqa: BLE001 - without it every setting counts as given
+            self._given = None
+
+    def _given_keys(self, sub: str, group: str, effective: dict[str, Any]) -> set[str]:
+        given = _get(_get(self._given, sub), group) if self._given is not None else None
+        if self._given is None:
+            return set(effective)  # unknown: every setting counts as given (compared)
+        if given is None:
+            return set()
+        return set(given.as_dict() if hasattr(given, "as_dict") else dict(given))
+
+    def _parse_ckpt_path(self) -> None:
+        """Resolve ``fit --ckpt_path last``, refuse a damaged checkpoint, and compare the checkpoint's settings
+        with the user's (docs/reliability.md, "Crashes and checkpoints").
+
+        A setting the user gave (config file or command line) must equal the checkpoint's unless it is on the
+        allow-list (:data:`~lightning_fedmeta.checkpointing.CHANGEABLE_MODEL_SETTINGS`, ...; then the given
+        value is used); a setting left at its default takes the checkpoint's value, model and data alike
+        (LightningCLI replaces only the model's, and all of them)."""
+        sub = self.config.get("subcommand")
+        if not sub:
+            return
+        cfg = self.config[sub]
+        ckpt_path = _get(cfg, "ckpt_path")
+        if not ckpt_path:
+            return
+        if sub == "fit" and str(ckpt_path) == "last":
+            found, searched = find_last_checkpoint(_get(cfg, "trainer"))
+            if found is None:
+                rank_zero_warn(
+                    f"--ckpt_path last: no last*.ckpt in {searched or 'any checkpoint folder'}; this run starts "
+                    "at round 0 (save them with a ModelCheckpoint(save_last=True) callback)"
+                )
+                cfg.ckpt_path = None
+                return
+            rank_zero_info(f"--ckpt_path last: resuming from {found}")
+            cfg.ckpt_path = ckpt_path = found
+        if str(ckpt_path) in ("last", "best", "hpc") or "://" in str(ckpt_path):
+            return  # keywords (refused for validate/test in before_instantiate_classes) and remote files
+        if not Path(ckpt_path).is_file():
+            raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file")
+        try:
+            checkpoint = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=True)
+            if "fedmeta" in checkpoint:
+                verify_checkpoint(checkpoint, ckpt_path)
+        except CheckpointDamagedError as exc:
+            raise FedMetaConfigError(str(exc)) from None
+        model_saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+        if "_class_path" in (checkpoint.get("hyper_parameters") or {}):
+            return super()._parse_ckpt_path()  # a model given in subclass mode: LightningCLI's own handling
+        data_saved = {
+            k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")
+        }
+        self._apply_checkpoint_settings(sub, str(ckpt_path), model_saved, data_saved)
+
+    def _apply_checkpoint_settings(
+        self, sub: str, path: str, model_saved: dict[str, Any], data_saved: dict[str, Any]
+    ) -> None:
+        cfg = self.config[sub]
+        evaluating = sub in EVALUATION_COMMANDS
+        model_allowed = dict(CHANGEABLE_MODEL_SETTINGS, **(EVALUATION_ONLY_SETTINGS if evaluating else {}))
+        model_now = _as_dict(_get(cfg, "model"))
+        data_now = _as_dict(_get(cfg, "data"))
+        model_given = self._given_keys(sub, "model", model_now) & set(model_saved)
+        data_given = self._given_keys(sub, "data", data_now) & set(data_saved)
+        diffs: list[SettingDifference] = []
+        if "algorithm" in model_given:
+            saved_algorithm, given_algorithm = (describe_algorithm(v) for v in (model_saved["algorithm"],
+                                                                               model_now.get("algorithm")))
+            if saved_algorithm is not None and given_algorithm is not None:
+                diffs += compare_algorithms(saved_algorithm, given_algorithm, model_allowed)
+            else:
+                diffs += compare_settings("model", model_saved, {"algorithm": model_now.get("algorithm")}, {})
+        diffs += compare_settings(
+            "model", model_saved, {k: model_now.get(k) for k in model_given if k != "algorithm"}, model_allowed
+        )
+        diffs += compare_settings("data", data_saved, {k: data_now.get(k) for k in data_given},
+                                  CHANGEABLE_DATA_SETTINGS)
+        refused = [d for d in diffs if not d.changeable]
+        if refused:
+            raise FedMetaConfigError(settings_message(path, refused, evaluating=evaluating))
+        # the allowed differences keep the given values; FederatedModule.on_load_checkpoint reports them
+        fill_model = {k: v for k, v in model_saved.items() if k not in model_given and k in model_now}
+        fill_data = {k: v for k, v in data_saved.items() if k not in data_given and k in data_now}
+        taken = [f"model.{k}" for k, v in fill_model.items() if plain_value(v) != plain_value(model_now.get(k))]
+        taken += [f"data.{k}" for k, v in fill_data.items() if plain_value(v) != plain_value(data_now.get(k))]
+        if fill_model or fill_data:
+            update: dict[str, Any] = {}
+            if fill_model:
+                update["model"] = fill_model
+            if fill_data:
+                update["data"] = fill_data
+            try:
+                self.config = self.parser.parse_object({sub: update}, self.config)
+            except SystemExit:
+                sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+                raise
+        if taken:
+            rank_zero_info(f"--ckpt_path: settings not given, taken from the checkpoint: {', '.join(sorted(taken))}")
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a damaged checkpoint or one with other settings, found when the Trainer loads it, is a
+        :class:`FedMetaConfigError` (message alone, exit status 2), as when the CLI finds it first."""
+        try:
+            super()._run_subcommand(subcommand)
+        except (CheckpointDamagedError, CheckpointSettingsError) as exc:
+            raise FedMetaConfigError(str(exc)) from exc
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults(
@@ -153,6 +357,14 @@ class FedMetaCLI(LightningCLI):
             callbacks.append(RoundProgressBar())
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
+
+
+def _as_dict(node: Any) -> dict[str, Any]:
+    if node is None:
+        return {}
+    if hasattr(node, "as_dict"):
+        return dict(node.as_dict())
+    return dict(node)
 
 
 def print_algorithms(stream: Any = None) -> None:

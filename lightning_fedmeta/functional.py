@@ -61,6 +61,16 @@ class Batch(NamedTuple):
         return Batch(self.x[index], self.y[index], self.mask[index])
 
 
+def has_samples(batch: Batch) -> Tensor:
+    """Whether ``batch`` holds at least one real sample (0-d bool; vmap-safe).
+
+    A local step on an empty batch is a step the client did not take: a straggler with a budget of ``τ_c`` local
+    steps sees empty batches after its ``τ_c``-th step (:mod:`lightning_fedmeta.participation`). Plain SGD steps on
+    them are no-ops by themselves (the masked loss and its gradient are 0); steps with other terms (a proximal
+    pull, a control-variate correction) gate their rate with this flag."""
+    return batch.mask.sum() > 0
+
+
 # ----------------------------------------------------------------------------------------------
 # parameter-tree arithmetic (dicts of tensors with identical keys)
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """FederatedModule: the federated loop as a LightningModule (one training step = one round).
 
 Round r (docs/design.md):
-    S    = sample_clients(seed, r)                       pure function of (seed, r)
+    S    = sample_clients(seed, r)                       pure function of (seed, r); under client_dropout /
+                                                         over_selection the clients that answer (participation.py)
     out  = algorithm.client_update(w, batches[S], state[S], record[S])   functional; looped or vmap-ed
-    Δ    = algorithm.aggregate(out, p_S, record[S])      p_i ∝ n_i ("samples") or 1/N ("uniform")
+    Δ    = algorithm.aggregate(out, p_S, record[S])      p_i ∝ n_i ("samples") or 1/N ("uniform"), renormalised
+                                                         over S; or a robust / private rule (reliability.py)
     w   <- server optimizer step with pseudo-gradient −Δ  (SGD(lr=β): w + βΔ; Adam/Yogi: FedOpt)
     seen[S] <- True
 
@@ -31,6 +33,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.attacks import flip_labels
+from lightning_fedmeta.checkpointing import (
+    VERIFIED_MARK,
+    check_resume_settings,
+    fedmeta_run_record,
+    install_atomic_checkpoint_io,
+    load_module_checkpoint,
+    loading_path,
+    seal_checkpoint,
+    verify_checkpoint,
+)
 from lightning_fedmeta.compiled import PrimitiveCompiler, describe_decision, worth_compiling
 from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
 from lightning_fedmeta.execution import ClientBatching, choose_batching, run_clients
@@ -38,7 +51,9 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_
 from lightning_fedmeta.losses import DEFAULT_LOSS, LOSSES, PerSampleLoss, loss_name, resolve_loss
 from lightning_fedmeta.metrics import BUILTIN_METRICS, DEFAULT_METRICS, ClientMetrics, MetricSpec
 from lightning_fedmeta.models import default_model
+from lightning_fedmeta.participation import answering_clients, mask_missing_steps, num_candidates
 from lightning_fedmeta.registry import create_algorithm
+from lightning_fedmeta.reliability import Reliability
 from lightning_fedmeta.running_stats import client_buffers, prepare_model
 from lightning_fedmeta.sampling import choose_holdout, draw_batch_indices, sample_clients, stable_seed
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
@@ -174,6 +189,26 @@ class FederatedModule(LightningModule):
             ``perplexity``) or any torchmetrics ``Metric``, kept per client. Each is logged as
             ``{stage}/{name}_weighted``, ``_mean`` and ``_worst10`` (worst by its direction), next to the
             loss. ``None``: ``{"acc": "accuracy"}`` for classes and tokens, ``{"mae": "mae"}`` for regression.
+        client_dropout: ``p``: each sampled client fails with probability ``p`` (a pure function of seed, round
+            and client); the round aggregates over the clients that answer, with renormalised weights; a failed
+            client's state is untouched; a round nobody answers leaves the model unchanged (and is logged).
+        over_selection: ``f``: sample ``⌈(1 + f)·m⌉`` clients and keep the first ``m`` that answer.
+        local_steps_dist: per-client budgets of local steps (stragglers do fewer; their missing steps are masked,
+            clients still run batched): a list with one budget per client, or ``{distribution: uniform, low, high}``
+            or ``{distribution: choice, values, probs}`` drawn per round and client. Algorithms that declare
+            ``step_budget`` only (fedavg, fedprox, reptile, scaffold, perfedavg).
+        aggregator: the server's rule for uploads that are parameter deltas: ``mean`` (default: the algorithm's
+            own aggregate), ``median``, ``trimmed_mean`` (``beta``), ``krum`` / ``multi_krum`` (``f``, ``m``),
+            ``bulyan`` (``f``), ``geometric_median``, ``fednova``; ``clip`` bounds every update's norm first.
+            A name or a mapping ``{name: trimmed_mean, beta: 0.2}``.
+        byzantine: simulated Byzantine clients, ``{fraction: 0.2, attack: sign_flip}`` (attacks ``sign_flip``,
+            ``scaled``, ``gaussian``, ``alie``, ``ipm`` replace the upload; ``label_flip`` poisons the data).
+        dp: client-level differential privacy (DP-FedAvg), ``{clip: 1.0, noise_multiplier: 1.0, delta: 1e-5,
+            target_epsilon: 8, adaptive_clip: true}``: every update clipped to norm ``C``, Gaussian noise
+            ``σ·C`` on the sum, weights ``1/m``; ε (Opacus's RDP accountant) logged every round; training stops
+            before ``target_epsilon`` would be exceeded. Needs ``aggregation="uniform"``.
+
+    The reliability options (the last six) and the combinations refused at setup: docs/reliability.md.
     """
 
     def __init__(
@@ -193,8 +228,18 @@ class FederatedModule(LightningModule):
         seed: int = 0,
         loss: str | nn.Module | Callable[[Tensor, Tensor], Tensor] | None = None,
         metrics: Mapping[str, MetricSpec] | None = None,
+        client_dropout: float = 0.0,
+        over_selection: float = 0.0,
+        local_steps_dist: list[int] | dict[str, Any] | None = None,
+        aggregator: str | dict[str, Any] | None = None,
+        byzantine: dict[str, Any] | None = None,
+        dp: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        #: the reliability options, parsed (each error names its model.* option; docs/reliability.md)
+        self.reliability = Reliability.from_options(
+            client_dropout, over_selection, local_steps_dist, aggregator, byzantine, dp
+        )
         self.automatic_optimization = False
         if fraction is not None and clients_per_round is not None:
             raise ValueError(
@@ -212,8 +257,11 @@ class FederatedModule(LightningModule):
                 )
         if aggregation not in ("samples", "uniform"):
             raise ValueError(f"aggregation must be 'samples' or 'uniform', got {aggregation!r}")
-        if not server_lr >= 0:
-            raise ValueError(f"server_lr must be >= 0, got {server_lr!r}")
+        if not server_lr >= 0 or server_lr == math.inf:
+            raise ValueError(f"server_lr must be a finite number >= 0, got {server_lr!r}")
+        for label, factory in (("server_optimizer", server_optimizer), ("server_lr_scheduler", server_lr_scheduler)):
+            if factory is not None and not callable(factory):
+                raise ValueError(f"{label} must be a callable (a torch.optim factory), got {factory!r}")
         if client_batching not in ("auto", "vmap", "loop"):
             raise ValueError(f"client_batching must be 'auto', 'vmap' or 'loop', got {client_batching!r}")
         if client_chunk_size is not None and client_chunk_size < 1:
@@ -280,6 +328,17 @@ class FederatedModule(LightningModule):
         self.metric_directions: dict[str, bool] = {}
         self.primary_metric = "loss"
         self._pending_metric_state: dict[str, Tensor] | None = None
+        self.client_dropout = client_dropout
+        self.over_selection = over_selection
+        self.local_steps_dist = local_steps_dist
+        self.aggregator = aggregator
+        self.byzantine = byzantine
+        self.dp = dp
+        if self.reliability.dp is not None:  # the clipping norm C (adaptive clipping changes it): checkpointed
+            self.register_buffer("dp_clip", torch.tensor(float(self.reliability.dp.clip), dtype=torch.float64))
+        self._accountant: Any = None  # the PrivacyAccountant of model.dp (built on the first round)
+        self.byzantine_clients = torch.zeros(0, dtype=torch.long)
+        self._round_steps: Tensor | None = None
 
         self.client_states = ClientStateStore()
         self.client_buffers = ClientStateStore()  # per-client BatchNorm running statistics ([K, ...] per buffer)
@@ -289,6 +348,8 @@ class FederatedModule(LightningModule):
         self.seen: Tensor | None = None  # [K] bool: the client took part in a completed round (checkpointed)
         self.data: FederatedData | None = None
         self.last_summary: dict[str, dict[str, Tensor]] = {}
+        self.last_summary_round = -1  # the round last_summary was measured after
+        self._stopped_by_privacy_budget = False
         self.last_per_client: dict[str, Tensor] = {}
         self._data_spec: dict[str, Any] | None = None
         self._validated: set[str] = set()  # algorithm functions whose outputs passed validation (first round)
@@ -299,6 +360,8 @@ class FederatedModule(LightningModule):
     # setup
     # ------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        if self._trainer is not None:  # crash-safe checkpoint writes, unless the user chose a CheckpointIO
+            install_atomic_checkpoint_io(self.trainer)
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         data = getattr(datamodule, "federated_data", None)
         if data is None:
@@ -338,6 +401,12 @@ class FederatedModule(LightningModule):
                     f"clients_per_round={self.num_sampled} exceeds the {n_eligible} training clients "
                     f"({k} clients, {k - n_eligible} held out)"
                 )
+        self.reliability.check(
+            self.algorithm, num_clients=k, num_sampled=self.num_sampled, aggregation=self.aggregation,
+            task=str(data.task),
+        )
+        self.num_candidates = num_candidates(self.num_sampled, self.reliability.over_selection, n_eligible)
+        self.byzantine_clients = self.reliability.byzantine_clients(self.seed, self.eligible)
         self._keep_running_statistics_per_client(k)
         self.batching, reason = choose_batching(self.model, self.client_batching)
         if self.batching == "vmap" and not type(self.algorithm).batchable:
@@ -633,12 +702,39 @@ class FederatedModule(LightningModule):
             return None
         return [stable_seed(self.seed, tag, round_idx, int(c)) for c in clients]
 
-    def compute_round(self, round_idx: int) -> tuple[Tensor, ClientOutput, Tensor]:
-        """Sample the round's clients and run their local procedures (all ranks combined)."""
-        sampled = sample_clients(self.seed, round_idx, self.eligible, self.num_sampled)
+    def round_clients(self, round_idx: int) -> Tensor:
+        """The clients that take part in round ``round_idx`` (sorted): the sampled ones, or under ``client_dropout``
+        / ``over_selection`` the first ``m`` of ``⌈(1 + f)·m⌉`` candidates that answer (possibly none)."""
+        candidates = sample_clients(self.seed, round_idx, self.eligible, self.num_candidates)
+        return answering_clients(self.seed, round_idx, candidates, self.reliability.dropout, self.num_sampled)
+
+    def round_steps(self, round_idx: int, clients: Tensor) -> Tensor:
+        """The local steps each client takes in round ``round_idx``: its budget (``local_steps_dist``) or the
+        algorithm's round plan."""
+        budget = self.reliability.budget
+        if budget is None:
+            return torch.full((clients.numel(),), self.algorithm.round_plan().steps, dtype=torch.long)
+        return budget.draw(self.seed, round_idx, clients)
+
+    def compute_round(self, round_idx: int) -> tuple[Tensor, ClientOutput | None, Tensor | None]:
+        """Sample the round's clients and run their local procedures (all ranks combined). ``(clients, None,
+        None)`` when no client answers."""
+        sampled = self.round_clients(round_idx)
+        if sampled.numel() == 0:
+            return sampled, None, None
         positions = self._rank_share(sampled.numel())
         local = sampled[positions] if positions.numel() else sampled[:1]
         batches = self._batches("train", round_idx, local, self.algorithm.round_plan())
+        self._round_steps = self.round_steps(round_idx, sampled)
+        if self.reliability.budget is not None:  # stragglers: their steps beyond the budget see empty batches
+            local_steps = self._round_steps[positions] if positions.numel() else self._round_steps[:1]
+            mask_missing_steps(batches.mask, local_steps)
+        attack = self.reliability.byzantine
+        if attack is not None and attack.attack == "label_flip":  # data poisoning: Byzantine clients flip labels
+            flipped = torch.isin(local, self.byzantine_clients).to(batches.y.device)
+            if bool(flipped.any()):
+                assert self.data is not None and self.data.num_classes is not None
+                batches.y[flipped] = flip_labels(batches.y[flipped], int(self.data.num_classes))
         states = self.client_states.gather(local)
         seeds = self._loop_seeds("dropout", round_idx, local)
         self.compiler.enabled = bool(self.compile_decision)
@@ -723,11 +819,25 @@ class FederatedModule(LightningModule):
         deciding = self.compile_decision is None and self.batching == "vmap"
         started = time.perf_counter()
         sampled, out, weights = self.compute_round(r)
+        if out is None or weights is None:
+            return self._skip_round(r, "no sampled client answered (client_dropout)")
         if deciding:
             self._decide_compile(r, time.perf_counter() - started)
         self._check_finite(r, sampled, out)
         params = self._global_params()
-        result = self.algorithm.aggregate(params, out, weights, self.server_state, self.records(sampled))
+        combined = self.reliability.combine(
+            self.algorithm, params, out, weights, self.server_state, self.records(sampled), seed=self.seed,
+            round_idx=r, byzantine=torch.isin(sampled, self.byzantine_clients),
+            steps=self._round_steps if self._round_steps is not None else self.round_steps(r, sampled),
+            cohort=self.num_sampled, clip=float(self.dp_clip) if self.reliability.dp is not None else math.inf,
+        )
+        if combined is None:
+            rule = self.reliability.aggregator
+            return self._skip_round(
+                r, f"only {sampled.numel()} clients answered, too few for model.aggregator {rule.name!r} with "
+                f"f={self.reliability.assumed_byzantine(self.num_sampled)}"
+            )
+        result, reliability_info = combined
         if "aggregate" not in self._validated:  # once: later rounds cost nothing
             validate_aggregate_output(self.algorithm, result, params, self.server_state,
                                       strict_dtypes=not torch.is_autocast_enabled(self.device.type))
@@ -747,13 +857,84 @@ class FederatedModule(LightningModule):
         if sch is not None:
             sch.step()  # type: ignore[union-attr]
         self.commit_round(sampled, out, new_server_state)
+        if "dp_next_clip" in reliability_info:  # adaptive clipping: C for the next round
+            self.dp_clip.fill_(reliability_info["dp_next_clip"])
         metrics = weighted_mean_metrics(out.metrics, weights)
         if self._logs_round(r):
             for k, v in metrics.items():
                 self.log(f"train/{k}", v, prog_bar=(k == "loss"), on_step=True, on_epoch=False, batch_size=1)
             self.log("clients", float(sampled.numel()), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
             self.log("round", float(r + 1), on_step=True, on_epoch=False, batch_size=1)
+            for k, v in reliability_info.items():
+                if k != "dp_next_clip":
+                    self.log(f"dp/{k[3:]}", float(v), on_step=True, on_epoch=False, batch_size=1)
+        if self.reliability.dp is not None:
+            self.log("privacy/epsilon", self.epsilon_spent(r + 1), prog_bar=True, on_step=True, on_epoch=False,
+                     batch_size=1)
         return metrics.get("loss", torch.zeros((), device=self.device))
+
+    def _skip_round(self, round_idx: int, reason: str) -> Tensor:
+        """A round that changes nothing: the model, the server state and every client's state stay as they were
+        (no client is marked as trained); the optimizer steps without gradients (parameters and optimizer state
+        untouched) so the round still counts (``global_step``)."""
+        rank_zero_info(f"[lightning_fedmeta] round {round_idx}: {reason}; the model is unchanged")
+        opt = self.optimizers()
+        opt.zero_grad(set_to_none=True)
+        assert self.model is not None
+        for p in self.model.parameters():
+            p.grad = None
+        opt.step()
+        sch = self.lr_schedulers()
+        if sch is not None:
+            sch.step()  # type: ignore[union-attr]
+        self._round_buffers = None
+        self.log("clients", 0.0, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        self.log("round", float(round_idx + 1), on_step=True, on_epoch=False, batch_size=1)
+        return torch.zeros((), device=self.device)
+
+    # ------------------------------------------------------------------------------------------
+    # differential privacy
+    # ------------------------------------------------------------------------------------------
+    def epsilon_spent(self, rounds: int) -> float:
+        """ε after ``rounds`` rounds of ``model.dp`` at its ``delta`` (Opacus's RDP accountant for the subsampled
+        Gaussian mechanism, sample rate ``q = m / N_train``, one step per round)."""
+        accountant = self._privacy_accountant()
+        if accountant.rounds != rounds:
+            if accountant.rounds > rounds:
+                accountant = self._privacy_accountant(fresh=True)
+            accountant.step(rounds - accountant.rounds)
+        assert self.reliability.dp is not None
+        return accountant.epsilon(self.reliability.dp.delta)
+
+    def _privacy_accountant(self, fresh: bool = False) -> Any:
+        from lightning_fedmeta.privacy import PrivacyAccountant
+
+        dp = self.reliability.dp
+        if dp is None:
+            raise ValueError("model.dp is not set: no privacy is accounted")
+        if self._accountant is None or fresh:
+            sample_rate = self.num_sampled / int(self.eligible.numel())
+            self._accountant = PrivacyAccountant(dp.noise_multiplier, sample_rate)
+        return self._accountant
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """``model.dp.target_epsilon``: stop before the round that would spend more than the target."""
+        dp = self.reliability.dp
+        if dp is None or dp.target_epsilon is None:
+            return None
+        r = int(self.global_step)
+        self.epsilon_spent(r)
+        after = self._accountant.epsilon_after(1, dp.delta)
+        if after > dp.target_epsilon:
+            rank_zero_info(
+                f"[lightning_fedmeta] stopping before round {r}: it would raise the privacy spent to ε = {after:.4g} "
+                f"> model.dp.target_epsilon = {dp.target_epsilon:g} (δ = {dp.delta:g}); ε after {r} rounds: "
+                f"{self._accountant.epsilon(dp.delta):.4g}"
+            )
+            self.trainer.should_stop = True
+            self._stopped_by_privacy_budget = True
+            return -1
+        return None
 
     def _logs_round(self, round_idx: int) -> bool:
         """Whether round ``round_idx`` logs its training metrics: the rounds a logger can write with
@@ -823,7 +1004,7 @@ class FederatedModule(LightningModule):
         col = list(self.metric.builtin).index(key)
         return scores["builtin"][:, col] / scores["total"].clamp_min(1)
 
-    def _evaluate(self, stage: str) -> dict[str, dict[str, Tensor]]:
+    def _evaluate(self, stage: str, log: bool = True) -> dict[str, dict[str, Tensor]]:
         self._on_device()
         assert self.data is not None
         r = self._round()
@@ -842,15 +1023,18 @@ class FederatedModule(LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         self.metric.sync(clients, None if world == 1 else lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
         groups = {"clients": self.eligible, "new": self.holdout}
+        if self.byzantine_clients.numel():  # model.byzantine: also the training clients that are honest
+            groups["honest"] = self.eligible[~torch.isin(self.eligible, self.byzantine_clients)]
         summary = self.metric.summaries(groups)
         for group, values in summary.items():
-            if group.startswith("_"):
+            if group.startswith("_") or not log:
                 continue
-            prefix = f"{stage}/" if group == "clients" else f"{stage}/new/"
+            prefix = f"{stage}/" if group == "clients" else f"{stage}/{group}/"
             for name, v in values.items():
                 bar = group == "clients" and name == f"{self.primary_metric}_weighted"
                 self.log(prefix + name, v.float(), prog_bar=bar, batch_size=1, sync_dist=False)
         self.last_summary = summary
+        self.last_summary_round = r
         self.last_per_client = {k: v.cpu() for k, v in summary["_per_client"].items()}
         return summary
 
@@ -874,8 +1058,12 @@ class FederatedModule(LightningModule):
                 f"{stats.compile_seconds:.1f} s compiling, {stats.compiled_calls} compiled calls"
                 + (f"; could not compile: {'; '.join(stats.failures)}" if stats.failures else "")
             )
+        if self._stopped_by_privacy_budget and self.last_summary_round != self._round():
+            # a model.dp.target_epsilon stop ends the fit between two evaluations: evaluate the final model
+            # (not logged: Lightning forbids logging here; the table, last_summary and the CSVs have it)
+            self._evaluate("val", log=False)
         if self.last_summary and self.trainer.is_global_zero:
-            rank_zero_info(format_summary(self.last_summary, self._round()))
+            rank_zero_info(format_summary(self.last_summary, self.last_summary_round))
 
     def on_test_end(self) -> None:
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP: every rank
@@ -1017,12 +1205,41 @@ class FederatedModule(LightningModule):
             "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
             # compile_clients="auto": a resumed run keeps the decision, so its steps round as before
             "compile_decision": self.compile_decision,
+            # the algorithm (class, hyper-parameters), datamodule class and trainer settings, for resume checks
+            **fedmeta_run_record(self),
         }
+        seal_checkpoint(checkpoint)  # last: Lightning's dump_checkpoint calls this hook after filling the rest
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> FederatedModule:
+        """``LightningModule.load_from_checkpoint``, checked (docs/reliability.md, "Crashes and checkpoints"):
+        a damaged file raises :class:`~lightning_fedmeta.checkpointing.CheckpointDamagedError` naming it, and a
+        keyword argument that changes a setting of the checkpoint (other than the execution and evaluation
+        settings that may change) raises :class:`~lightning_fedmeta.checkpointing.CheckpointSettingsError`.
+        Pass ``model=`` again for a custom architecture."""
+        return load_module_checkpoint(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("fedmeta")
         if saved is None:
             raise ValueError("this checkpoint was not written by lightning_fedmeta.FederatedModule")
+        path = loading_path(self)
+        if not checkpoint.pop(VERIFIED_MARK, False):  # not verified on the raw file already
+            verify_checkpoint(checkpoint, path)
+        changed = check_resume_settings(self, checkpoint, path)  # refuses settings that must match
+        if changed:
+            rank_zero_info(
+                "[lightning_fedmeta] settings changed since the checkpoint (allowed): "
+                + "; ".join(d.describe() for d in changed)
+            )
         self.client_states.load_state_dict(saved["client_state"])
         self.client_buffers.load_state_dict(saved.get("client_buffers") or {})
         self._placed_on = None
@@ -1044,6 +1261,8 @@ class FederatedModule(LightningModule):
         if self.compile_clients == "auto" and saved.get("compile_decision") is not None:
             self.compile_decision = bool(saved["compile_decision"])
         metric_state = saved.get("metric_state")
+        if any(d.name == "model.metrics" for d in changed):  # evaluating with other metrics: their states differ
+            metric_state = None
         if metric_state is not None:
             if hasattr(self, "metric") and self.data is not None:
                 self._restore_metric_state(metric_state)

@@ -8,6 +8,7 @@ from a checkpoint (docs/design.md, contract 1).
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch import Tensor
@@ -37,11 +38,11 @@ def sample_clients(seed: int, round_idx: int, eligible: Tensor, num_sampled: int
 
 def choose_holdout(seed: int, num_clients: int, holdout: float | int) -> Tensor:
     """Indices of the clients held out of training: a count (int ≥ 0) or a fraction in [0, 1)."""
-    if isinstance(holdout, bool) or holdout < 0:
+    if isinstance(holdout, bool) or not holdout >= 0 or holdout == math.inf:
         raise ValueError(f"holdout_clients must be a count >= 0 or a fraction in [0, 1), got {holdout!r}")
-    count = int(holdout) if isinstance(holdout, int) else int(round(holdout * num_clients))
     if isinstance(holdout, float) and holdout >= 1:
         raise ValueError(f"holdout_clients as a fraction must be < 1, got {holdout!r}")
+    count = int(holdout) if isinstance(holdout, int) else int(round(holdout * num_clients))
     if count >= num_clients:
         raise ValueError(f"holdout_clients={holdout!r} leaves no training client out of {num_clients}")
     perm = torch.randperm(num_clients, generator=generator_for(seed, "holdout"))

@@ -1,6 +1,9 @@
 """Train a tiny SCAFFOLD run and save the final global model, client and server state.
 
-    python tests/ddp_worker.py OUT.pt [DEVICES]
+    python tests/ddp_worker.py OUT.pt [DEVICES] [VARIANT]
+
+``VARIANT`` ``unreliable`` adds dropouts, over-selection, stragglers' budgets, Byzantine clients (ALIE) and a
+trimmed-mean aggregator to the run (docs/reliability.md); ``private`` adds DP-FedAvg with adaptive clipping.
 
 With ``DEVICES > 1`` the run uses ``strategy="ddp"`` on CPU (gloo). Lightning's DDP launcher
 re-executes this script once per extra process, so it must stay a script (never run DDP inside
@@ -28,17 +31,35 @@ __all__ = ["ROUNDS", "run_tiny"]
 ROUNDS = 3
 
 
-def run_tiny(devices: int) -> dict[str, dict[str, torch.Tensor]] | None:
-    """Fit SCAFFOLD (5 of 6 clients per round, so ranks get unequal shares) for ``ROUNDS`` rounds.
+VARIANTS: dict[str, dict] = {
+    "plain": {},
+    "unreliable": {
+        "client_dropout": 0.2, "over_selection": 0.5,
+        "local_steps_dist": {"distribution": "uniform", "low": 1, "high": 2},
+        "byzantine": {"fraction": 0.34, "attack": "alie"}, "aggregator": {"name": "trimmed_mean", "beta": 0.2},
+    },
+    "private": {
+        "aggregation": "uniform",
+        "dp": {"clip": 0.5, "noise_multiplier": 0.7, "adaptive_clip": {"count_noise_multiplier": 1.0}},
+    },
+}
+
+
+def run_tiny(devices: int, variant: str = "plain") -> dict[str, dict[str, torch.Tensor]] | None:
+    """Fit SCAFFOLD (5 of 6 clients per round, so ranks get unequal shares) for ``ROUNDS`` rounds; the
+    ``unreliable`` and ``private`` variants run FedAvg with the reliability options of :data:`VARIANTS`.
 
     Returns the final state on rank 0 and ``None`` on the other ranks.
     """
     torch.manual_seed(0)
+    algorithm = {"name": "scaffold" if variant == "plain" else "fedavg", "local_lr": 0.2, "local_steps": 2,
+                 "batch_size": 4, "finetune_steps": 1}
     module = FederatedModule(
         model=nn.Linear(5, 3),
-        algorithm={"name": "scaffold", "local_lr": 0.2, "local_steps": 2, "batch_size": 4, "finetune_steps": 1},
-        clients_per_round=5,
+        algorithm=algorithm,
+        clients_per_round=5 if variant != "unreliable" else 4,
         seed=2,
+        **VARIANTS[variant],
     )
     extra = {"strategy": "ddp", "devices": devices} if devices > 1 else {}
     trainer = make_trainer(ROUNDS, **extra)
@@ -57,7 +78,7 @@ def run_tiny(devices: int) -> dict[str, dict[str, torch.Tensor]] | None:
 def main(argv: list[str]) -> None:
     out = Path(argv[1])
     devices = int(argv[2]) if len(argv) > 2 else 2
-    result = run_tiny(devices)
+    result = run_tiny(devices, argv[3] if len(argv) > 3 else "plain")
     if result is not None:
         torch.save(result, out)
 

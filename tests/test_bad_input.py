@@ -103,9 +103,9 @@ def test_impossible_hyper_parameters_name_the_value(name: str, hparams: dict, me
         FederatedModule(model=_linear(), algorithm={"name": name, **hparams})
 
 
-@pytest.mark.parametrize("server_lr", [-1.0, float("nan")])
+@pytest.mark.parametrize("server_lr", [-1.0, float("nan"), float("inf")])
 def test_negative_server_lr_is_rejected(server_lr: float) -> None:
-    with pytest.raises(ValueError, match="server_lr must be >= 0"):
+    with pytest.raises(ValueError, match="server_lr must be a finite number >= 0"):
         FederatedModule(model=_linear(), server_lr=server_lr)
 
 

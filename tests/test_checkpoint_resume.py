@@ -14,6 +14,7 @@ from torch import nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
 from lightning_fedmeta.algorithms.local_steps import local_sgd
+from lightning_fedmeta.checkpointing import seal_checkpoint
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 from lightning_fedmeta.state import flatten_state
 from lightning_fedmeta.testing import check_algorithm
@@ -225,6 +226,7 @@ def test_a_flat_key_checkpoint_loads_as_flat_state(tmp_path: Path) -> None:
     flat_server = {"c.weight": torch.randn(3, 5), "c.bias": torch.randn(3)}
     checkpoint["fedmeta"]["client_state"] = flat_client
     checkpoint["fedmeta"]["server_state"] = flat_server
+    seal_checkpoint(checkpoint)  # an edited checkpoint is re-sealed, or its checksum reports it damaged
     loaded = _module(SCAFFOLD)
     loaded.on_load_checkpoint(checkpoint)
     assert set(loaded.client_states.tensors) == set(flat_client)

@@ -44,17 +44,20 @@ def test_bf16_mixed_precision_runs_on_cpu_with_finite_loss_and_logged_accuracy()
     torch.testing.assert_close(module.model.weight, reference.model.weight, atol=0.05, rtol=0)
 
 
-def test_ddp_on_two_cpu_processes_equals_the_single_process_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["plain", "unreliable", "private"])
+def test_ddp_on_two_cpu_processes_equals_the_single_process_run(tmp_path: Path, variant: str) -> None:
+    """Also with dropouts, stragglers, Byzantine clients and a robust rule, and with DP (docs/reliability.md):
+    every draw is pure in (seed, round, client), so the ranks agree on who answers and on the noise."""
     out = tmp_path / "ddp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), "2"], capture_output=True, text=True, timeout=150, env=env,
+        [sys.executable, str(WORKER), str(out), "2", variant], capture_output=True, text=True, timeout=150, env=env,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = torch.load(out, weights_only=True)
     assert int(ddp["world_size"]["value"]) == 2
-    single = run_tiny(devices=1)
+    single = run_tiny(devices=1, variant=variant)
     assert single is not None
     for group in ("params", "client_state", "server_state", "summary"):
         assert set(ddp[group]) == set(single[group]), group

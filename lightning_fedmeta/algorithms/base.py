@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -142,11 +143,15 @@ def check_positive(name: str, value: float | int | None, allow_none: bool = Fals
         return
     if value is None or not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
+    if value == math.inf:
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def check_non_negative(name: str, value: float | int) -> None:
     if not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if value == math.inf:
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def check_range(name: str, value: float, low: float, high: float) -> None:
@@ -195,6 +200,11 @@ class Algorithm(ABC):
     summary: ClassVar[str] = ""
     #: whether ``client_update`` may run under ``torch.func.vmap``
     batchable: ClassVar[bool] = True
+    #: whether ``client_update`` honours a per-client budget of local steps (``model.local_steps_dist``): a step whose
+    #: batch is empty (every mask entry 0: beyond the client's budget) leaves the client exactly as it was and is not
+    #: counted (see :func:`~lightning_fedmeta.functional.has_samples`). The loop refuses budgets for algorithms
+    #: that do not declare it.
+    step_budget: ClassVar[bool] = False
     #: common arguments (:data:`COMMON_ARGS`) this algorithm does not use, each mapped to the reason
     #: (e.g. ``{"local_lr": "the inner learning rate is alpha"}``)
     unused_args: ClassVar[Mapping[str, str]] = {}

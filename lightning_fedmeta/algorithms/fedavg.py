@@ -22,6 +22,7 @@ class FedAvg(Algorithm):
     """Federated averaging of locally SGD-trained models (optionally evaluated after fine-tuning)."""
 
     name = "fedavg"
+    step_budget = True
     summary = "FedAvg: average of τ-step local SGD models (McMahan et al., 2017); +FT via finetune_steps"
 
     def client_update(

@@ -26,6 +26,7 @@ class FedProx(Algorithm):
     """
 
     name = "fedprox"
+    step_budget = True
     summary = "FedProx: local SGD on f_i(v) + μ/2‖v − w‖² (Li et al., 2020)"
 
     def __init__(

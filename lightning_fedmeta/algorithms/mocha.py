@@ -163,7 +163,7 @@ class Mocha(Algorithm):
         check_range("budget_spread", budget_spread, 0.0, 0.999)
         if isinstance(omega_every, bool) or not isinstance(omega_every, int) or omega_every < 0:
             raise ValueError(f"omega_every must be an integer >= 0 (0 = fixed), got {omega_every!r}")
-        if sigma_prime is not None and not sigma_prime > 0:
+        if sigma_prime is not None and not 0 < sigma_prime < float("inf"):
             raise ValueError(f"sigma_prime must be > 0 (or None for the safe default), got {sigma_prime!r}")
         self.loss = loss
         self.lambda1 = lambda1

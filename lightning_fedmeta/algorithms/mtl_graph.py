@@ -55,7 +55,7 @@ def adjacency_from_edges(edges: Sequence[Sequence[float]], num_clients: int) -> 
         j, k = int(e[0]), int(e[1])
         weight = float(e[2]) if len(e) == 3 else 1.0
         if not (0 <= j < num_clients and 0 <= k < num_clients):
-            raise ValueError(f"edge {list(e)} names a client outside 0..{num_clients - 1}")
+            raise ValueError(f"edges: edge {list(e)} names a client outside 0..{num_clients - 1}")
         s[j, k] += weight
         if j != k:
             s[k, j] += weight
@@ -134,7 +134,7 @@ class MTLGraph(SimilarityRegularizedMTL):
         if edges is not None:
             for e in edges:
                 if len(e) not in (2, 3) or (len(e) == 3 and not float(e[2]) >= 0):
-                    raise ValueError(f"each edge must be [j, k] or [j, k, weight >= 0], got {e!r}")
+                    raise ValueError(f"edges: each edge must be [j, k] or [j, k, weight >= 0], got {e!r}")
         self.edges = None if edges is None else [list(e) for e in edges]
         self.knn = knn
         self._label_counts: Tensor | None = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import (
@@ -32,6 +31,7 @@ from lightning_fedmeta.algorithms.base import (
     check_non_negative,
     check_positive,
 )
+from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_sub
 
 __all__ = ["PerFedAvg", "PerFedAvgVariant", "hessian_free_hvp"]
@@ -68,6 +68,7 @@ class PerFedAvg(Algorithm):
     """
 
     name = "perfedavg"
+    step_budget = True
     summary = "Per-FedAvg: FedAvg on the one-step-adapted loss, fo/hf/exact (Fallah et al., 2020)"
     unused_args = {"local_lr": "Per-FedAvg's local (meta) step size is beta; alpha is the adaptation rate"}
 
@@ -144,5 +145,8 @@ class PerFedAvg(Algorithm):
             w, loss, meta_loss = ctx.step(self.meta_step, w, batches.at(t))
             losses.append(loss)
             meta_losses.append(meta_loss)
-        metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}
+        # a step on empty batches (beyond a straggler's budget) is a no-op: every gradient in it is 0
+        metrics = {
+            "loss": mean_over_taken_steps(losses, batches), "meta_loss": mean_over_taken_steps(meta_losses, batches),
+        }
         return ClientOutput(tree_sub(w, params), state, {}, metrics)

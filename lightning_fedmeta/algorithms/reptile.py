@@ -40,6 +40,7 @@ class Reptile(Algorithm):
     """
 
     name = "reptile"
+    step_budget = True
     summary = "Reptile: τ inner SGD steps, server moves w towards the clients' adapted models (Nichol et al., 2018)"
     unused_args = {"local_lr": "Reptile's inner (local) learning rate is alpha"}
 

@@ -4,7 +4,8 @@ for the weighted objective f(x) = Σ_i p_i f_i(x) that FedAvg and FedProx minimi
 Server control variate c, client control variates c_i (kept in the client state store), η_l
 the local rate, τ local steps.  Client i, from y = x:
     y ← y − η_l (∇f_i(y; Dₜ) − c_i + c)                         (τ times)
-    c_i⁺ = c_i − c + (x − y) / (τ η_l)                           (option II)
+    c_i⁺ = c_i − c + (x − y) / (K η_l)                           (option II; K = τ, or the client's budget of
+                                                                  local steps under model.local_steps_dist)
 uploads Δy_i = y − x and Δc_i = c_i⁺ − c_i, and stores c_i ← c_i⁺.  Server:
     x ← x + η_g Σ_{i∈S} p̃_i Δy_i          (p̃ = the round's weights; η_g = server_lr, the server optimizer)
     c ← c + Σ_{i∈S} p_i Δc_i              (p_i = the client's weight in the objective, ``client.weight``).
@@ -29,7 +30,16 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum, tree_zeros_like
+from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
+from lightning_fedmeta.functional import (
+    Batch,
+    ClientContext,
+    Params,
+    has_samples,
+    tree_sub,
+    tree_weighted_sum,
+    tree_zeros_like,
+)
 
 __all__ = ["Scaffold"]
 
@@ -39,6 +49,7 @@ class Scaffold(Algorithm):
 
     name = "scaffold"
     summary = "SCAFFOLD: local SGD corrected by control variates c − c_i (Karimireddy et al., 2020)"
+    step_budget = True
 
     def __init__(
         self,
@@ -72,25 +83,30 @@ class Scaffold(Algorithm):
         c_i = {k: state["c_i"][k] for k in params}
         y = params
         losses = []
-        steps = batches.x.shape[0]
-        for t in range(steps):
+        for t in range(batches.x.shape[0]):
             y, loss = ctx.step(self.corrected_step, y, batches.at(t, 0), c_i, c)
             losses.append(loss)
-        c_new = {k: c_i[k] - c[k] + (params[k] - y[k]) / (steps * self.local_lr) for k in params}
+        # K = the steps this client took (all τ of them, or a straggler's budget: empty steps are not taken);
+        # K·η_l in float64 and then float32, exactly as the Python product τ·η_l of the full round
+        taken = (batches.mask.reshape(batches.mask.shape[0], -1).sum(1) > 0).sum()
+        denom = taken.to(torch.float64) * self.local_lr
+        c_new = {k: c_i[k] - c[k] + (params[k] - y[k]) / denom for k in params}
         delta_c = tree_sub(c_new, c_i)
         return ClientOutput(
             delta=tree_sub(y, params),
             state={"c_i": c_new},
             extras={"dc": delta_c},
-            metrics={"loss": torch.stack(losses).mean()},
+            metrics={"loss": mean_over_taken_steps(losses, batches)},
         )
 
     def corrected_step(
         self, ctx: ClientContext, y: Params, batch: Batch, c_i: Params, c: Params
     ) -> tuple[Params, Tensor]:
-        """One corrected step ``y − η_l (∇F_i(y; D) − c_i + c)``; returns the new model and ``F_i(y; D)``."""
+        """One corrected step ``y − η_l (∇F_i(y; D) − c_i + c)``; returns the new model and ``F_i(y; D)``. On an empty
+        batch (a step beyond a straggler's budget) the rate is 0: ``y`` is returned unchanged."""
         loss, g = ctx.loss_and_grad(y, batch)
-        return {k: y[k] - self.local_lr * (g[k] - c_i[k] + c[k]) for k in y}, loss
+        rate = self.local_lr * has_samples(batch).to(loss.dtype)
+        return {k: y[k] - rate * (g[k] - c_i[k] + c[k]) for k in y}, loss
 
     def aggregate(
         self,

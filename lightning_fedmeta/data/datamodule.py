@@ -204,7 +204,8 @@ class FederatedDataModule(L.LightningDataModule):
         _check_int("samples_per_class", samples_per_class, 2)
         if max_samples_per_client is not None:
             _check_int("max_samples_per_client", max_samples_per_client, 1)
-        if not synthetic_alpha >= 0 or not synthetic_beta >= 0:
+        _check_int("data_seed", data_seed, 0)
+        if not 0 <= synthetic_alpha < float("inf") or not 0 <= synthetic_beta < float("inf"):
             raise ValueError(
                 "synthetic_alpha and synthetic_beta must be >= 0, "
                 f"got {synthetic_alpha!r} and {synthetic_beta!r}"
