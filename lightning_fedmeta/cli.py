@@ -57,7 +57,7 @@ from lightning_fedmeta.checkpointing import (
     verify_checkpoint,
 )
 from lightning_fedmeta.data.datamodule import FederatedDataModule
-from lightning_fedmeta.module import FederatedModule
+from lightning_fedmeta.module import FederatedModule, FederatedSetupError
 
 __all__ = [
     "FedMetaCLI", "FedMetaConfigError", "checkpoint_dirs", "find_last_checkpoint", "main", "run", "print_algorithms",
@@ -286,11 +286,12 @@ class FedMetaCLI(LightningCLI):
             rank_zero_info(f"--ckpt_path: settings not given, taken from the checkpoint: {', '.join(sorted(taken))}")
 
     def _run_subcommand(self, subcommand: str) -> None:
-        """Run it; a damaged checkpoint or one with other settings, found when the Trainer loads it, is a
-        :class:`FedMetaConfigError` (message alone, exit status 2), as when the CLI finds it first."""
+        """Run it; a damaged checkpoint or one with other settings, found when the Trainer loads it, and options
+        that do not fit the data (:class:`~lightning_fedmeta.module.FederatedSetupError`, found at setup) are a
+        :class:`FedMetaConfigError` (message alone, exit status 2), as when the CLI finds them first."""
         try:
             super()._run_subcommand(subcommand)
-        except (CheckpointDamagedError, CheckpointSettingsError) as exc:
+        except (CheckpointDamagedError, CheckpointSettingsError, FederatedSetupError) as exc:
             raise FedMetaConfigError(str(exc)) from exc
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

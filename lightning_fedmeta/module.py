@@ -64,7 +64,13 @@ from lightning_fedmeta.validation import (
     validate_init_server_state,
 )
 
-__all__ = ["FederatedModule", "format_summary"]
+__all__ = ["FederatedModule", "FederatedSetupError", "format_summary"]
+
+
+class FederatedSetupError(ValueError):
+    """The module's options do not fit the data it is set up with (found in ``setup``, before round 1): e.g.
+    more clients per round than training clients, a ``local_steps_dist`` list of the wrong length, a robust
+    aggregator the round's size cannot support. The ``fedmeta`` command prints the message alone (status 2)."""
 
 
 def _build_algorithm(spec: str | dict[str, Any] | Algorithm) -> Algorithm:
@@ -369,7 +375,12 @@ class FederatedModule(LightningModule):
                 "FederatedModule needs a datamodule with a 'federated_data' attribute "
                 "(lightning_fedmeta.FederatedDataModule or one of your own)"
             )
-        self.attach_data(data)
+        try:
+            self.attach_data(data)
+        except FederatedSetupError:
+            raise
+        except ValueError as exc:  # a setting that does not fit this data: a configuration error, not a bug
+            raise FederatedSetupError(str(exc)) from exc
 
     def attach_data(self, data: FederatedData) -> None:
         """Bind the federated data: build the model if needed, choose clients, initialise state."""

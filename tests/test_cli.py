@@ -122,6 +122,23 @@ def test_evaluating_without_a_checkpoint_is_refused_with_how_to_pass_one(
     assert not list(tmp_path.rglob("*")), "nothing may be evaluated or written"
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--model.local_steps_dist", "[1, 2, 3]", "model.local_steps_dist as a list needs one budget per client: 30"),
+    ("--model.clients_per_round", "31", "clients_per_round=31 exceeds the 30 training clients"),
+    ("--model.aggregator", "{name: krum, f: 5}", "krum"),
+])
+def test_options_that_do_not_fit_the_data_are_refused_at_setup_with_the_message_alone(
+    option: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in setup (they need the data), before round 1: exit status 2, no traceback."""
+    args = ["fit", "--config", QUICKSTART, option, value, "--trainer.default_root_dir", str(tmp_path), *QUIET]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err
+
+
 @pytest.mark.parametrize("keyword", ["last", "best"])
 def test_checkpoint_keywords_of_an_earlier_fit_are_refused_by_a_fresh_test(keyword: str, tmp_path: Path) -> None:
     # Lightning resolves them from the same Trainer's fit: in a new process "last" loads nothing
