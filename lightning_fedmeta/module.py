@@ -377,10 +377,10 @@ class FederatedModule(LightningModule):
             )
         try:
             self.attach_data(data)
-        except FederatedSetupError:
-            raise
-        except ValueError as exc:  # a setting that does not fit this data: a configuration error, not a bug
-            raise FederatedSetupError(str(exc)) from exc
+        except ValueError as exc:
+            if type(exc) is not ValueError:  # a specific error (e.g. an algorithm's invalid output) keeps its type
+                raise
+            raise FederatedSetupError(str(exc)) from exc  # a setting that does not fit this data
 
     def attach_data(self, data: FederatedData) -> None:
         """Bind the federated data: build the model if needed, choose clients, initialise state."""
