@@ -220,7 +220,8 @@ def run_config(config: Path, rounds: int, root: Path, threads: int | None = None
     return record
 
 
-def _read_results(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines results file (lines cut by an interrupted write are skipped)."""
     if not path.exists():
         return []
     out = []
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args.root.mkdir(parents=True, exist_ok=True)
     rows = []
     for cfg in args.configs:
-        row = None if args.force else _cached(_read_results(results_path), cfg, args.rounds, args.threads)
+        row = None if args.force else _cached(read_records(results_path), cfg, args.rounds, args.threads)
         if row is not None:
             print(f"[accuracy] {cfg}: already done ({row.get('finished_at')}), reusing; --force re-runs", flush=True)
         else:

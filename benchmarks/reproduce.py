@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy import grad_evals_per_round  # noqa: E402
+from accuracy import grad_evals_per_round, read_records  # noqa: E402
 
 __all__ = [
     "ALPHAS",
@@ -310,20 +310,6 @@ def _from_history(doc: dict[str, Any], rounds: int) -> dict[str, Any]:
             for h in vals
         ],
     }
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a results file (lines cut by an interrupted write are skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def _fmt_s(s: float) -> str:
