@@ -50,6 +50,7 @@ from lightning_fedmeta.data.synthetic_tasks import (
     make_synthetic_next_token,
     make_synthetic_regression,
 )
+from lightning_fedmeta.data.validation_split import validation_split
 
 __all__ = [
     "DATASET_NAMES",
@@ -160,7 +161,16 @@ class FederatedDataModule(L.LightningDataModule):
         synthetic_beta: input heterogeneity ``beta >= 0`` of Synthetic(alpha, beta) (and variants).
         eval_every: communication rounds per training epoch (validation runs after each, and after
             the final round), ``>= 1``.
-        data_seed: seed of the partition, the test split and the synthetic generator.
+        data_seed: seed of the partition, the test split, the validation split and the synthetic generator.
+        validation_fraction: ``0`` (default) evaluates on the clients' test sets. ``f`` in ``(0, 1)``
+            holds out ``round(f · n_i)`` (at least 1, at most ``n_i − 1``) of each client's training
+            samples and evaluates on them instead, never reading the test set: for choosing
+            hyper-parameters (:func:`~lightning_fedmeta.data.validation_split.validation_split`).
+        eval_clients: ``None`` (default) scores every client at every evaluation. ``N >= 1``: each validation
+            scores the same seeded sample of ``N`` clients (training and held-out clients in proportion to their
+            numbers, drawn from ``model.seed``: :meth:`FederatedModule.evaluation_clients
+            <lightning_fedmeta.FederatedModule.evaluation_clients>`), logged once; ``test`` still scores every
+            client. For large populations (docs/scale.md).
 
     Each client's test set: for ``"synthetic"``, 10% of the client's own samples (as FedProx); for
     image datasets, drawn from the dataset's test set with the client's train class proportions
@@ -182,6 +192,8 @@ class FederatedDataModule(L.LightningDataModule):
         synthetic_beta: float = 1.0,
         eval_every: int = 10,
         data_seed: int = 0,
+        validation_fraction: float = 0.0,
+        eval_clients: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(dataset, str):
@@ -211,6 +223,19 @@ class FederatedDataModule(L.LightningDataModule):
                 f"got {synthetic_alpha!r} and {synthetic_beta!r}"
             )
         _check_int("eval_every", eval_every, 1)
+        if isinstance(validation_fraction, bool) or not (
+            validation_fraction == 0 or 0 < validation_fraction < 1
+        ):
+            raise ValueError(
+                f"validation_fraction must be 0 (evaluate on the test sets) or in (0, 1), got {validation_fraction!r}"
+            )
+        if eval_clients is not None and (
+            isinstance(eval_clients, bool) or not isinstance(eval_clients, int) or eval_clients < 1
+        ):
+            raise ValueError(
+                f"data.eval_clients must be an integer >= 1 (clients scored at each validation) or null (every "
+                f"client), got {eval_clients!r}"
+            )
         if isinstance(dataset, str) and dataset in ("mnist", "cifar10") and root is None:
             raise ValueError(
                 f"dataset {dataset!r} needs a `root` folder, got root=None (with `download: true` "
@@ -230,6 +255,8 @@ class FederatedDataModule(L.LightningDataModule):
         self.synthetic_beta = synthetic_beta
         self.eval_every = eval_every
         self.seed = data_seed
+        self.validation_fraction = float(validation_fraction)
+        self.eval_clients = eval_clients
         self.federated_data: FederatedData | None = None
         self.save_hyperparameters(ignore=None if isinstance(dataset, str) else ["dataset"])
 
@@ -257,9 +284,17 @@ class FederatedDataModule(L.LightningDataModule):
         if self.federated_data is not None:
             return
         data = self._build()
+        if self.validation_fraction > 0:
+            data = validation_split(data, self.validation_fraction, self.seed)
         data.check_no_empty_client()
         self.federated_data = data
         rank_zero_info(_summary(data, self._describe()))
+        if self.validation_fraction > 0:
+            rank_zero_info(
+                f"FederatedDataModule: validation_fraction={self.validation_fraction:g}: every evaluation uses "
+                "the validation split of each client's training data (the 'test' counts above); the test "
+                "set is not read"
+            )
 
     def _describe(self) -> str:
         if not isinstance(self.dataset, str):

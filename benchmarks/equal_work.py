@@ -1,0 +1,650 @@
+"""Every algorithm beside Per-FedAvg on the paper's split, at equal client work, tuned on validation data (issue 14).
+
+    python benchmarks/equal_work.py [--jobs 2] [--threads 1] [--entries E ...] [--smoke]
+                                    [--report-only] [--write-winners]
+
+Two comparisons on the Per-FedAvg paper's setting (benchmarks/reproduce.py: MLP 784-80-60-10 ELU,
+n = 50 users on ``partition: perfedavg_paper`` of Fashion-MNIST, 10 per round, batch 40, uniform
+aggregation, 5 users held out as new clients, 1000 rounds, seeds 0, 1, 2):
+
+* **The grid's second baseline** (``fedavg_tuned_tau<τ>_alpha<α>``): FedAvg with τ local steps at a
+  *tuned* local rate, then one fine-tune step at α before evaluation, in each of the grid's four
+  (τ, α) cells. Its work is τ gradient evaluations per client per round, as the matched baseline's.
+* **Every algorithm at equal work** (``<algorithm>_w16``): W = 16 gradient evaluations per client per
+  round, the work of Per-FedAvg HF / exact at τ = 4 (4 per step: two gradients and one
+  Hessian-vector product counted as 2). Each algorithm's steps are set so that
+  ``benchmarks/accuracy.py`` :func:`grad_evals_per_round` gives 16 (e.g. FedAvg 16 SGD steps,
+  Ditto 8 global + 8 personal, FedRep 8 head + 8 body, pFedMe 4 local rounds × 4 inner steps,
+  FedMAML 8 first-order meta-gradients). MOCHA has no gradients and needs a linear model: it runs
+  a 784→10 linear model with 640 SDCA coordinate steps per round (16 × batch 40 per-sample
+  updates); its row is not work-matched in the same unit and says so. Each algorithm is evaluated
+  as its authors evaluate it (the algorithm's own ``personalize``: the global model for FedProx
+  and SCAFFOLD, one fine-tune step for FedAvg + FT, Per-FedAvg, Reptile and the MAMLs, the
+  personal model for Ditto, the MTL models, pFedMe and MOCHA, the personal head for FedRep and
+  FedPer, the cluster model for IFCA and CFL).
+
+**Tuning never sees test data.** Each entry lists a small sweep (:data:`ENTRIES`: 3 or 4 values of
+its main rate or strength). Every candidate runs ``SWEEP_ROUNDS`` = 300 rounds on seed 0 with
+``data.validation_fraction: 0.2`` (each client's training data split 80/20 by
+``lightning_fedmeta/data/validation_split.py``; the run evaluates on the 20 % and never reads the test
+set) and is scored by its final-round sample-weighted validation accuracy. The best candidate
+(ties: the first listed) becomes the committed config ``configs/paper/equal_work/<entry>.yaml``,
+whose header lists every candidate's score; the final runs train that config on the full training
+data for 1000 rounds with seeds 0, 1, 2 and report test accuracy. The short sweep is a budget
+choice (300 of 1000 rounds) and can favour faster rates; the report says where a winner is at the
+edge of its sweep.
+
+Records (one JSON line per finished run, written the moment it finishes) go to
+``benchmarks/results/equal_work/sweep_<dataset>.jsonl`` and ``final_<dataset>.jsonl``; a re-run
+skips runs whose (config text hash, seed, rounds) already succeeded, so an interrupted run resumes.
+Finals of an entry start as soon as its sweep is complete. The report is
+``benchmarks/results/equal_work.md`` / ``.csv`` with PNGs under ``benchmarks/results/equal_work/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy import grad_evals_per_round, read_records  # noqa: E402
+from reproduce import (  # noqa: E402
+    BATCH,
+    CLIENTS_PER_ROUND,
+    HOLDOUT,
+    NUM_CLIENTS,
+    REPO,
+    SEEDS,
+    _fmt_s,
+    _from_history,
+    _git_commit,
+    _mean_std,
+    _pct,
+    _sha256,
+)
+
+__all__ = [
+    "ENTRIES",
+    "Entry",
+    "SWEEP_ROUNDS",
+    "WORK",
+    "candidate_config",
+    "entry_work",
+    "final_config",
+    "main",
+    "paired_against",
+    "pick_winner",
+    "summarise",
+]
+
+ROUNDS = 1000
+SWEEP_ROUNDS = 300
+SWEEP_SEED = 0
+VALIDATION_FRACTION = 0.2
+WORK = 16  # gradient evaluations per client per round: Per-FedAvg HF / exact at τ = 4
+WINNER_DIR = Path("configs/paper/equal_work")
+RESULTS = Path("benchmarks/results/equal_work")
+MLP = {"class_path": "lightning_fedmeta.models.MLP",
+       "init_args": {"in_features": 784, "hidden": [80, 60], "num_classes": 10, "activation": "elu"}}
+LINEAR = {"class_path": "lightning_fedmeta.models.LogisticRegression",
+          "init_args": {"in_features": 784, "num_classes": 10}}
+LR_SWEEP = [0.01, 0.03, 0.1]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the comparison: a base config and the sweep that tunes it.
+
+    ``algorithm`` is the algorithm block and ``model`` the other ``model:`` keys (e.g. ``server_lr``);
+    each sweep candidate overrides keys given as ``"algorithm.<key>"`` or ``"model.<key>"``.
+    """
+
+    key: str
+    label: str
+    algorithm: dict[str, Any]
+    sweep: list[dict[str, Any]]
+    model: dict[str, Any] = field(default_factory=dict)
+    network: dict[str, Any] = field(default_factory=lambda: MLP)
+    evaluation: str = ""
+    cell: tuple[int, float] | None = None  # (τ, α) for the grid's tuned-FedAvg baseline
+    plugin: str | None = None  # distribution that provides the algorithm
+
+
+def _lr(key: str = "algorithm.local_lr", values: list[float] = LR_SWEEP, also: tuple[str, ...] = ()
+        ) -> list[dict[str, Any]]:
+    """One candidate per value of ``key``; the ``also`` keys take the same value (e.g. the fine-tune rate)."""
+    return [{key: v, **dict.fromkeys(also, v)} for v in values]
+
+
+def _entries() -> list[Entry]:
+    b = {"batch_size": BATCH}
+    out = [
+        Entry(f"fedavg_tuned_tau{t}_alpha{a:g}", f"FedAvg (tuned rate) + 1 FT step at α, τ = {t}, α = {a:g}",
+              {"name": "fedavg", "local_steps": t, **b, "finetune_steps": 1, "finetune_lr": a,
+               "finetune_batch_size": BATCH},
+              _lr(values=[0.003, 0.01, 0.03, 0.1]), evaluation=f"1 SGD step at α = {a:g}", cell=(t, a))
+        for t in (4, 10) for a in (0.001, 0.01)
+    ]
+    ft = {"finetune_steps": 1, "finetune_batch_size": BATCH}
+    out += [
+        Entry("fedavg_ft_w16", "FedAvg + 1 FT step", {"name": "fedavg", "local_steps": 16, **b, **ft},
+              _lr(also=("algorithm.finetune_lr",)), evaluation="1 SGD step at the local rate"),
+        Entry("perfedavg_hf_w16", "Per-FedAvg (HF), τ = 4, α = 0.01",
+              {"name": "perfedavg", "variant": "hf", "alpha": 0.01, "delta": 0.001, "local_steps": 4, **b, **ft},
+              _lr("algorithm.beta", [0.001, 0.01, 0.03]), evaluation="1 SGD step at α"),
+        Entry("reptile_w16", "Reptile", {"name": "reptile", "local_steps": 16, **b, **ft},
+              _lr("algorithm.alpha"), model={"server_lr": 1.0}, evaluation="1 SGD step at α"),
+        Entry("fedmaml_w16", "FedMAML (first order)",
+              {"name": "fedmaml", "alpha": 0.01, "second_order": False, "local_steps": 8, **b, **ft},
+              _lr("model.server_lr", [0.1, 0.3, 1.0]), evaluation="1 SGD step at α"),
+        Entry("perfedmaml_w16", "Per-FedMAML (first order)",
+              {"name": "perfedmaml", "alpha": 0.01, "lam": 0.5, "second_order": False, "local_steps": 8, **b, **ft},
+              _lr("algorithm.beta", [0.01, 0.05, 0.2]), evaluation="1 SGD step at α from θ_i"),
+        Entry("fedprox_w16", "FedProx (μ = 0.01)", {"name": "fedprox", "mu": 0.01, "local_steps": 16, **b},
+              _lr(), evaluation="global model"),
+        Entry("scaffold_w16", "SCAFFOLD", {"name": "scaffold", "local_steps": 16, **b}, _lr(),
+              evaluation="global model"),
+        Entry("mtl_mean_w16", "Mean-regularised MTL (λ = 0.1)", {"name": "mtl_mean", "lam": 0.1, "local_steps": 16,
+                                                                **b}, _lr(), evaluation="personal model"),
+        Entry("ditto_w16", "Ditto (λ = 0.1)",
+              {"name": "ditto", "lam": 0.1, "local_steps": 8, "personal_steps": 8, **b}, _lr(),
+              evaluation="personal model"),
+        Entry("mtl_pairwise_w16", "Pairwise MTL (λ = 0.02)",
+              {"name": "mtl_pairwise", "lam": 0.02, "local_steps": 16, **b}, _lr(), evaluation="personal model"),
+        Entry("mtl_graph_w16", "Graph MTL (λ = 0.1, 5-NN of labels)",
+              {"name": "mtl_graph", "lam": 0.1, "knn": 5, "local_steps": 16, **b}, _lr(),
+              evaluation="personal model"),
+        Entry("fedrep_w16", "FedRep", {"name": "fedrep", "head_steps": 8, "local_steps": 8, **b}, _lr(),
+              evaluation="personal head + global body"),
+        Entry("fedper_w16", "FedPer", {"name": "fedper", "local_steps": 16, **b}, _lr(),
+              evaluation="personal head + global body"),
+        Entry("ifca_w16", "IFCA (3 clusters)", {"name": "ifca", "num_clusters": 3, "local_steps": 16, **b}, _lr(),
+              evaluation="best cluster model"),
+        Entry("cfl_w16", "CFL", {"name": "cfl", "eps1": 0.4, "eps2": 1.6, "max_clusters": 4, "warmup_rounds": 20,
+                                 "local_steps": 16, **b}, _lr(), evaluation="cluster model"),
+        Entry("pfedme_w16", "pFedMe (λ = 15, ν = 0.05, 4 × 4 steps)",
+              {"name": "pfedme", "lam": 15.0, "personal_lr": 0.05, "inner_steps": 4, "local_steps": 4, **b},
+              _lr(values=[0.005, 0.02, 0.05]), evaluation="personal model θ_i", plugin="fedmeta-pfedme"),
+        Entry("mocha_linear", "MOCHA (linear model, 640 SDCA steps)",
+              {"name": "mocha", "loss": "hinge", "lambda2": 0.1, "local_iters": 640, "budget_spread": 0.0,
+               "omega_every": 10, "fit_bias": True}, _lr("algorithm.lambda1", [0.1, 1.0, 10.0]),
+              network=LINEAR, evaluation="personal linear model"),
+    ]
+    return out
+
+
+ENTRIES: dict[str, Entry] = {e.key: e for e in _entries()}
+
+
+def entry_work(entry: Entry) -> int | None:
+    """Gradient evaluations per client per round of the entry's base config."""
+    algo = entry.algorithm
+    return grad_evals_per_round(algo["name"], {k: v for k, v in algo.items() if k != "name"})
+
+
+def _apply(entry: Entry, candidate: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    algo, model = dict(entry.algorithm), dict(entry.model)
+    for k, v in candidate.items():
+        scope, name = k.split(".", 1)
+        (algo if scope == "algorithm" else model)[name] = v
+    return algo, model
+
+
+def _config(entry: Entry, candidate: dict[str, Any], rounds: int, validation: bool, eval_every: int) -> dict[str, Any]:
+    algo, model = _apply(entry, candidate)
+    data = {"dataset": "fashion_mnist", "partition": "perfedavg_paper", "num_clients": NUM_CLIENTS,
+            "eval_every": eval_every, "data_seed": 0}
+    if validation:
+        data["validation_fraction"] = VALIDATION_FRACTION
+    return {
+        "seed_everything": 0,
+        "trainer": {"max_steps": rounds, "accelerator": "cpu"},
+        "model": {"algorithm": algo, "aggregation": "uniform", "clients_per_round": CLIENTS_PER_ROUND,
+                  "holdout_clients": HOLDOUT, "seed": 0, **model, "model": entry.network},
+        "data": data,
+    }
+
+
+def _tag(candidate: dict[str, Any]) -> str:
+    return "_".join(f"{k.split('.', 1)[1]}{v:g}" if isinstance(v, float) else f"{k.split('.', 1)[1]}{v}"
+                    for k, v in candidate.items())
+
+
+def candidate_config(entry: Entry, candidate: dict[str, Any]) -> str:
+    """The YAML of one sweep candidate: ``SWEEP_ROUNDS`` rounds scored on the validation split."""
+    head = (f"# Sweep candidate of {entry.key} ({entry.label}): {candidate}; benchmarks/equal_work.py, issue 14.\n"
+            f"# Scored on data.validation_fraction = {VALIDATION_FRACTION:g} of each client's training data "
+            "(the test set is not read).\n")
+    return head + yaml.safe_dump(_config(entry, candidate, SWEEP_ROUNDS, True, 50), sort_keys=False)
+
+
+def final_config(entry: Entry, winner: dict[str, Any], scores: list[tuple[dict[str, Any], float | None]]) -> str:
+    """The committed YAML of the entry's sweep winner (1000 rounds, test evaluation), with the sweep in its header."""
+    lines = [
+        f"# {entry.label}: the winner of its validation sweep (issue 14; benchmarks/equal_work.py).",
+        f"# Work: {entry_work(entry) if entry.key != 'mocha_linear' else 'n/a (640 SDCA steps)'} gradient "
+        "evaluations per client per round; evaluation: " + entry.evaluation + ".",
+        f"# Sweep: {SWEEP_ROUNDS} rounds, seed {SWEEP_SEED}, final-round weighted accuracy on a "
+        f"{VALIDATION_FRACTION:g} validation split of each client's training data:",
+        *[f"#   {c}: {_score(s)}{'  <- winner' if c == winner else ''}"
+          for c, s in scores],
+        "# Generated by `python benchmarks/equal_work.py --write-winners`; the driver overrides the seed:",
+        f"#   fedmeta fit --config {(WINNER_DIR / (entry.key + '.yaml')).as_posix()} "
+        "--seed_everything S --data.data_seed S --model.seed S",
+    ]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(_config(entry, winner, ROUNDS, False, 10), sort_keys=False)
+
+
+def _available(entry: Entry) -> bool:
+    if entry.plugin is None:
+        return True
+    try:
+        from lightning_fedmeta.registry import load_algorithm
+
+        load_algorithm(entry.algorithm["name"])
+        return True
+    except Exception:  # noqa: BLE001 - a missing plugin drops its row
+        return False
+
+
+# -- running ---------------------------------------------------------------------------------------
+def _run(config_text: str, config_file: Path, seed: int, rounds: int, out_dir: Path, threads: int | None,
+         extra: dict[str, Any]) -> dict[str, Any]:
+    """Run ``fedmeta fit`` on ``config_file`` (whose text is ``config_text``) and return its record."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "lightning_fedmeta.cli", "fit", "--config", str(config_file),
+           "--seed_everything", str(seed), "--data.data_seed", str(seed), "--model.seed", str(seed),
+           "--trainer.default_root_dir", str(out_dir), "--trainer.enable_progress_bar", "false"]
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    rec: dict[str, Any] = {**extra, "seed": seed, "rounds": rounds, "config_sha256": _sha256(config_text),
+                           "threads": threads, "command": "fedmeta " + " ".join(cmd[3:]), "git_commit": _git_commit()}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    rec["wall_s"] = time.perf_counter() - start
+    rec["finished_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    (out_dir / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        rec["error"] = lines[-1] if lines else f"exit status {proc.returncode}"
+        return rec
+    histories = sorted(out_dir.glob("**/fedmeta_history.json"), key=lambda p: p.stat().st_mtime)
+    if not histories:
+        rec["error"] = "no fedmeta_history.json written"
+        return rec
+    rec.update(_from_history(json.loads(histories[-1].read_text()), rounds))
+    return rec
+
+
+def _ok(records: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    return {(r.get("entry"), r.get("config_sha256"), r.get("seed"), r.get("rounds")): r
+            for r in records if "error" not in r}
+
+
+#: the score of a sweep candidate whose run stopped on a non-finite loss or update (a result, not a failure)
+DIVERGED = -math.inf
+
+
+def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float | None]]:
+    """Each candidate with its final-round validation accuracy: ``None`` until it has a successful run,
+    :data:`DIVERGED` when its run stopped on a non-finite loss or update (the loop's divergence check)."""
+    ok = _ok(sweep_records)
+    diverged = {(r.get("entry"), r.get("config_sha256"), r.get("seed"), r.get("rounds"))
+                for r in sweep_records if "non-finite" in str(r.get("error", ""))}
+    out = []
+    for c in entry.sweep:
+        key = (entry.key, _sha256(candidate_config(entry, c)), SWEEP_SEED, SWEEP_ROUNDS)
+        r = ok.get(key)
+        out.append((c, r.get("acc_weighted") if r is not None else (DIVERGED if key in diverged else None)))
+    return out
+
+
+def pick_winner(scores: list[tuple[dict[str, Any], float | None]]) -> dict[str, Any] | None:
+    """The candidate with the highest validation score (ties: the first listed); ``None`` if any is missing
+    or every candidate diverged."""
+    if not scores or any(s is None for _, s in scores) or all(s == DIVERGED for _, s in scores):
+        return None
+    best = max(range(len(scores)), key=lambda i: (scores[i][1], -i))
+    return scores[best][0]
+
+
+def _winner_text(entry: Entry, sweep_records: list[dict[str, Any]]) -> str | None:
+    scores = sweep_scores(entry, sweep_records)
+    winner = pick_winner(scores)
+    return None if winner is None else final_config(entry, winner, scores)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", nargs="+", choices=list(ENTRIES), default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--report-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--runs", type=Path, default=Path("runs/equal_work"))
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--write-winners", action="store_true",
+                        help="(re)write configs/paper/equal_work/<entry>.yaml from the stored sweep records")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run each entry's first candidate for 3 rounds (nothing recorded): checks every config")
+    args = parser.parse_args(argv)
+    entries = [ENTRIES[k] for k in (args.entries or ENTRIES) if _available(ENTRIES[k])]
+    args.results.mkdir(parents=True, exist_ok=True)
+    sweep_path, final_path = args.results / "sweep_fashion_mnist.jsonl", args.results / "final_fashion_mnist.jsonl"
+    runs_dir = args.runs.resolve()
+
+    def cand_file(entry: Entry, c: dict[str, Any]) -> tuple[str, Path]:
+        text = candidate_config(entry, c)
+        p = runs_dir / "configs" / f"{entry.key}__{_tag(c)}.yaml"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        return text, p
+
+    if args.smoke:
+        failed = 0
+        with cf.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futs = {}
+            for e in entries:
+                text, p = cand_file(e, e.sweep[0])
+                futs[pool.submit(_run, text, p, 0, 3, runs_dir / "smoke" / e.key, args.threads,
+                                 {"entry": e.key})] = e
+            for fut in cf.as_completed(futs):
+                rec = fut.result()
+                failed += "error" in rec
+                print(f"[equal_work] smoke {futs[fut].key}: {rec.get('error') or 'ok'} ({rec['wall_s']:.0f}s)",
+                      flush=True)
+        return 1 if failed else 0
+
+    def write_winners() -> None:
+        sweep = read_records(sweep_path)
+        for e in entries:
+            text = _winner_text(e, sweep)
+            if text is not None:
+                p = REPO / WINNER_DIR / f"{e.key}.yaml"
+                p.parent.mkdir(parents=True, exist_ok=True)
+                if not p.exists() or p.read_text() != text:
+                    p.write_text(text)
+
+    def report() -> None:
+        write_winners()
+        rows = summarise(entries, read_records(sweep_path), read_records(final_path), args.seeds)
+        md, csv_path = write_report(rows, args.report_dir, args.results)
+        print(f"[equal_work] report: {md}, {csv_path}", flush=True)
+
+    if args.write_winners or args.report_only:
+        report()
+        return 0
+
+    def pending() -> list[tuple[str, Entry, dict[str, Any] | None, int]]:
+        """Runs still to do: sweep candidates, then the finals of entries whose sweep is complete."""
+        sweep, final = read_records(sweep_path), read_records(final_path)
+        ok_f = _ok(final)
+        todo: list[tuple[str, Entry, dict[str, Any] | None, int]] = []
+        for e in entries:
+            text = _winner_text(e, sweep)
+            if text is not None:
+                todo += [("final", e, None, s) for s in args.seeds
+                         if (e.key, _sha256(text), s, ROUNDS) not in ok_f]
+        for e in entries:  # a candidate that diverged has its result; one that failed otherwise is retried
+            todo += [("sweep", e, c, SWEEP_SEED) for c, score in sweep_scores(e, sweep) if score is None]
+        return todo
+
+    def launch(pool: cf.ThreadPoolExecutor, job: tuple[str, Entry, dict[str, Any] | None, int]) -> cf.Future:
+        stage, e, c, s = job
+        if stage == "sweep":
+            assert c is not None
+            text, p = cand_file(e, c)
+            out = runs_dir / "sweep" / f"{e.key}__{_tag(c)}"
+            return pool.submit(_run, text, p, s, SWEEP_ROUNDS, out, args.threads,
+                               {"stage": "sweep", "entry": e.key, "candidate": c,
+                                "grad_evals_per_client_round": entry_work(e)})
+        write_winners()
+        p = REPO / WINNER_DIR / f"{e.key}.yaml"
+        return pool.submit(_run, p.read_text(), p.relative_to(REPO), s, ROUNDS, runs_dir / "final" / e.key / f"seed{s}",
+                           args.threads, {"stage": "final", "entry": e.key,
+                                          "config": (WINNER_DIR / f"{e.key}.yaml").as_posix(),
+                                          "grad_evals_per_client_round": entry_work(e)})
+
+    start, done, failed = time.perf_counter(), 0, 0
+    running: dict[cf.Future, tuple[str, Entry, dict[str, Any] | None, int]] = {}
+    tried: set[tuple[str, str, str, int]] = set()
+    print(f"[equal_work] {len(pending())} runs to do (sweeps first; finals as sweeps complete), "
+          f"{args.jobs} at once", flush=True)
+    with cf.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        while True:
+            for job in pending():
+                if len(running) >= args.jobs:
+                    break
+                ident = (job[0], job[1].key, json.dumps(job[2], sort_keys=True), job[3])
+                if ident in tried:
+                    continue
+                tried.add(ident)
+                running[launch(pool, job)] = job
+            if not running:
+                break
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                stage, e, c, s = running.pop(fut)
+                try:
+                    rec = fut.result()
+                except Exception as err:  # noqa: BLE001 - record and go on
+                    rec = {"stage": stage, "entry": e.key, "candidate": c, "seed": s, "error": f"{err!r}"}
+                with (sweep_path if stage == "sweep" else final_path).open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                done += 1
+                failed += "error" in rec
+                left = len([j for j in pending()
+                            if (j[0], j[1].key, json.dumps(j[2], sort_keys=True), j[3]) not in tried])
+                status = rec.get("error") or (f"acc {100 * (rec.get('acc_weighted') or math.nan):.2f}% "
+                                              f"in {rec['wall_s']:.0f}s")
+                print(f"[equal_work] {done} done ({left} queued, {len(running)} running): {stage} {e.key} "
+                      f"{'' if c is None else c} seed {s}: {status}; elapsed {_fmt_s(time.perf_counter() - start)}",
+                      flush=True)
+                report()
+    report()
+    return 1 if failed else 0
+
+
+# -- report ----------------------------------------------------------------------------------------
+def summarise(entries: list[Entry], sweep: list[dict[str, Any]], final: list[dict[str, Any]],
+              seeds: list[int]) -> list[dict[str, Any]]:
+    """One row per entry: its sweep, winner, and final-run mean ± sample std over the finished seeds."""
+    ok_f = _ok(final)
+    rows = []
+    for e in entries:
+        scores = sweep_scores(e, sweep)
+        winner = pick_winner(scores)
+        text = None if winner is None else final_config(e, winner, scores)
+        runs = [] if text is None else [ok_f[k] for s in seeds if (k := (e.key, _sha256(text), s, ROUNDS)) in ok_f]
+        row: dict[str, Any] = {"entry": e.key, "label": e.label, "cell": e.cell, "evaluation": e.evaluation,
+                               "work": entry_work(e) if e.key != "mocha_linear" else None,
+                               "scores": scores, "winner": winner, "seeds_done": len(runs), "seeds_asked": len(seeds),
+                               "runs": runs}
+        if winner is not None:
+            i = next(j for j, (c, _) in enumerate(scores) if c == winner)
+            row["winner_at_edge"] = len(scores) > 1 and i in (0, len(scores) - 1)
+        for key in ("acc_weighted", "acc_worst10", "new_acc_weighted", "best_acc_weighted", "wall_s"):
+            mean, std = _mean_std([r[key] for r in runs if isinstance(r.get(key), (int, float))])
+            row[f"{key}_mean"], row[f"{key}_std"] = mean, std
+        rows.append(row)
+    return rows
+
+
+def paired_against(rows: list[dict[str, Any]], base_key: str, other: dict[int, float] | None = None
+                   ) -> dict[str, tuple[float | None, float | None, int]]:
+    """Each entry's final weighted accuracy minus ``base_key``'s (or ``other``'s), paired by seed:
+    ``entry -> (mean, sample std, number of common seeds)``."""
+    by = {r["entry"]: r for r in rows}
+    base = other if other is not None else {r["seed"]: r["acc_weighted"] for r in by.get(base_key, {}).get("runs", [])}
+    out = {}
+    for r in rows:
+        mine = {x["seed"]: x["acc_weighted"] for x in r["runs"]}
+        common = sorted(set(mine) & set(base))
+        mean, std = _mean_std([mine[s] - base[s] for s in common])
+        out[r["entry"]] = (mean, std, len(common))
+    return out
+
+
+def _grid_hf(cell: tuple[int, float]) -> dict[int, float]:
+    """Per-FedAvg HF's final accuracy per seed in a grid cell, from benchmarks/reproduce.py's records."""
+    path = REPO / "benchmarks/results/reproduction/runs_fashion_mnist.jsonl"
+    if not path.exists():
+        return {}
+    t, a = cell
+    return {r["seed"]: r["acc_weighted"] for r in read_records(path)
+            if "error" not in r and r.get("method") == "perfedavg_hf" and r.get("tau") == t
+            and r.get("alpha") == a and r.get("rounds") == ROUNDS}
+
+
+def _score(s: float | None, digits: int = 2) -> str:
+    if s is None:
+        return "pending"
+    return "diverged" if s == DIVERGED else f"{100 * s:.{digits}f}" + (" %" if digits == 2 else "")
+
+
+def _cand(c: dict[str, Any]) -> str:
+    return ", ".join(f"{k.split('.', 1)[1]} = {v:g}" if isinstance(v, float) else f"{k.split('.', 1)[1]} = {v}"
+                     for k, v in c.items())
+
+
+def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path) -> tuple[Path, Path]:
+    """``equal_work.md`` / ``.csv`` in ``out_dir``, PNGs in ``png_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path = out_dir / "equal_work.csv", out_dir / "equal_work.md"
+    fields = ["entry", "label", "work", "evaluation", "winner", "seeds_done", "acc_weighted_mean", "acc_weighted_std",
+              "acc_worst10_mean", "acc_worst10_std", "new_acc_weighted_mean", "new_acc_weighted_std",
+              "best_acc_weighted_mean", "wall_s_mean"]
+    with csv_path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else (_cand(r[k]) if k == "winner" else r[k])) for k in fields})
+    pngs = _plots(rows, png_dir)
+    rel = os.path.relpath(png_dir, out_dir)
+    grid_rows = [r for r in rows if r["cell"] is not None]
+    work_rows = [r for r in rows if r["cell"] is None]
+    paired = paired_against(work_rows, "fedavg_ft_w16")
+
+    def line(r: dict[str, Any], extra: str) -> str:
+        sweep = "; ".join(f"{_cand(c)}: {_score(s, 1)}" for c, s in r["scores"])
+        win = "pending" if r["winner"] is None else _cand(r["winner"]) + (" (edge)" if r.get("winner_at_edge") else "")
+        wall = "" if r["wall_s_mean"] is None else f"{r['wall_s_mean']:.0f}"
+        return (f"| {r['label']} | {'n/a' if r['work'] is None else r['work']} | {r['evaluation']} | {sweep} | {win} "
+                f"| {r['seeds_done']}/{r['seeds_asked']} | {_pct(r['acc_weighted_mean'], r['acc_weighted_std'])} "
+                f"| {_pct(r['acc_worst10_mean'], r['acc_worst10_std'])} "
+                f"| {_pct(r['new_acc_weighted_mean'], r['new_acc_weighted_std'])} "
+                f"| {_pct(r['best_acc_weighted_mean'], r['best_acc_weighted_std'])} | {extra} | {wall} |")
+
+    head = ("| entry | grad evals / client / round | evaluation | sweep: validation acc % (300 rounds, seed 0) "
+            "| winner | seeds | test acc (weighted) | worst 10% | new clients | best round (secondary) | {} "
+            "| wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [
+        "# Every algorithm at equal work, tuned on validation data (Fashion-MNIST, Per-FedAvg paper split)",
+        "",
+        "Generated by `python benchmarks/equal_work.py` (issue 14); do not edit by hand. Setting and "
+        "protocol: docs/reproduction.md and the script's docstring. Test accuracies in %, final round "
+        "(1000), mean ± sample std over seeds 0, 1, 2; the sweep scores are validation accuracies "
+        "(20 % of each client's training data, the test set not read) after 300 rounds, seed 0; "
+        "`(edge)`: the winner is the first or last value of its sweep.",
+        "",
+        "## FedAvg at a tuned local rate + 1 fine-tune step at α (the grid's second baseline)",
+        "",
+        head.format("Per-FedAvg (HF) − this, paired by seed"),
+    ]
+    for r in grid_rows:
+        hf = paired_against([r], r["entry"], _grid_hf(r["cell"]))[r["entry"]]
+        d = (-hf[0] if hf[0] is not None else None, hf[1], hf[2])
+        lines.append(line(r, _pct(d[0], d[1], signed=True) + (f" ({d[2]} seeds)" if d[2] else "")))
+    lines += [
+        "",
+        f"## Every algorithm at {WORK} gradient evaluations per client per round",
+        "",
+        head.format("− FedAvg + FT (equal work), paired by seed"),
+    ]
+    for r in work_rows:
+        d = paired[r["entry"]]
+        extra = "—" if r["entry"] == "fedavg_ft_w16" else _pct(d[0], d[1], signed=True)
+        lines.append(line(r, extra))
+    lines += ["", *[f"![{p.stem}]({rel}/{p.name})" for p in pngs]]
+    md_path.write_text("\n".join(lines) + "\n")
+    return md_path, csv_path
+
+
+def _plots(rows: list[dict[str, Any]], png_dir: Path) -> list[Path]:
+    """Accuracy vs round (mean, min–max band over seeds) and the per-client accuracy box plot per entry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    png_dir.mkdir(parents=True, exist_ok=True)
+    work_rows = [r for r in rows if r["cell"] is None]
+    paths = []
+    fig, ax = plt.subplots(figsize=(11, 6.5))
+    cmap = plt.get_cmap("tab20")
+    for i, r in enumerate(work_rows):
+        curves = [x["curve"] for x in r["runs"] if x.get("curve")]
+        if not curves:
+            continue
+        axis = [c[0] for c in curves[0]]
+        curves = [c for c in curves if [x[0] for x in c] == axis]
+        ys = np.array([[100 * (x[1] if x[1] is not None else np.nan) for x in c] for c in curves])
+        ax.plot(axis, np.nanmean(ys, axis=0), color=cmap(i % 20), label=f"{r['label']} ({len(curves)})")
+        if len(curves) > 1:
+            ax.fill_between(axis, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=cmap(i % 20), alpha=0.15)
+    ax.set_xlabel("round")
+    ax.set_ylabel("weighted test accuracy (%)")
+    ax.set_ylim(40, 100)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.set_title("Fashion-MNIST, equal work (16 grad evals / client / round): mean and min–max over seeds")
+    fig.tight_layout()
+    p = png_dir / "equal_work_curves.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    data, labels = [], []
+    for r in work_rows:
+        vals = []
+        for x in r["runs"]:
+            pc, new = x.get("per_client_acc") or [], x.get("is_new_client") or []
+            vals += [100 * v for j, v in enumerate(pc) if v is not None and not (j < len(new) and new[j])]
+        data.append(vals if vals else [np.nan])
+        labels.append(r["label"].split(" (")[0] + ("" if vals else "\nmissing"))
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(labels) + 1), labels, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("per-client test accuracy (%)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title("Final-round accuracy of each training client (seeds pooled): who is left behind")
+    fig.tight_layout()
+    p = png_dir / "equal_work_per_client.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())

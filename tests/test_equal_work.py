@@ -1,0 +1,110 @@
+"""benchmarks/equal_work.py: equal client work, validation-only tuning, winner choice, paired report (issue 14)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ew = _load("equal_work")
+
+
+def test_every_work_matched_entry_spends_16_gradient_evaluations_per_client_per_round() -> None:
+    for e in ew.ENTRIES.values():
+        if e.cell is not None:
+            assert ew.entry_work(e) == e.cell[0], e.key  # the grid baseline: τ, as the matched baseline
+        elif e.key != "mocha_linear":
+            assert ew.entry_work(e) == ew.WORK == 16, e.key
+    # MOCHA: 640 SDCA coordinate steps = 16 steps x batch 40 per-sample updates
+    assert ew.ENTRIES["mocha_linear"].algorithm["local_iters"] == 16 * 40
+
+
+def test_sweep_candidates_are_scored_on_the_validation_split_and_finals_on_the_test_set() -> None:
+    for e in ew.ENTRIES.values():
+        assert len(e.sweep) >= 3, e.key
+        for c in e.sweep:
+            doc = yaml.safe_load(ew.candidate_config(e, c))
+            assert doc["data"]["validation_fraction"] == 0.2
+            assert doc["trainer"]["max_steps"] == ew.SWEEP_ROUNDS
+            for k, v in c.items():
+                scope, name = k.split(".", 1)
+                where = doc["model"]["algorithm"] if scope == "algorithm" else doc["model"]
+                assert where[name] == v
+        final = yaml.safe_load(ew.final_config(e, e.sweep[1], [(c, 0.5) for c in e.sweep]))
+        assert "validation_fraction" not in final["data"]
+        assert final["trainer"]["max_steps"] == 1000
+        assert final["data"]["partition"] == "perfedavg_paper" and final["model"]["aggregation"] == "uniform"
+
+
+def test_the_winner_is_the_best_validation_score_first_listed_on_ties_and_waits_for_every_candidate() -> None:
+    a, b, c = {"algorithm.local_lr": 0.01}, {"algorithm.local_lr": 0.03}, {"algorithm.local_lr": 0.1}
+    assert ew.pick_winner([(a, 0.7), (b, 0.8), (c, 0.75)]) == b
+    assert ew.pick_winner([(a, 0.8), (b, 0.8), (c, 0.75)]) == a
+    assert ew.pick_winner([(a, 0.7), (b, None), (c, 0.9)]) is None  # a candidate still to run
+    assert ew.pick_winner([(a, 0.7), (b, ew.DIVERGED), (c, 0.6)]) == a  # a diverged run is a result
+    assert ew.pick_winner([(a, ew.DIVERGED), (b, ew.DIVERGED), (c, ew.DIVERGED)]) is None
+
+
+def _sweep_record(entry, cand, acc=None, error=None):
+    rec = {"stage": "sweep", "entry": entry.key, "candidate": cand, "seed": ew.SWEEP_SEED, "rounds": ew.SWEEP_ROUNDS,
+           "config_sha256": ew._sha256(ew.candidate_config(entry, cand))}
+    return rec | ({"error": error} if error else {"acc_weighted": acc})
+
+
+def test_scores_read_the_records_of_the_current_configs_only_and_mark_divergence() -> None:
+    e = ew.ENTRIES["ditto_w16"]
+    recs = [_sweep_record(e, e.sweep[0], 0.61), _sweep_record(e, e.sweep[1], error="FloatingPointError: round 3: "
+                                                                                     "non-finite loss"),
+            _sweep_record(e, e.sweep[2], error="RuntimeError: killed"),
+            {**_sweep_record(e, e.sweep[2], 0.99), "config_sha256": "stale"}]
+    scores = ew.sweep_scores(e, recs)
+    assert [s for _, s in scores] == [0.61, ew.DIVERGED, None]
+
+
+def _final(entry_key, text, seed, acc):
+    return {"stage": "final", "entry": entry_key, "seed": seed, "rounds": 1000, "config_sha256": ew._sha256(text),
+            "acc_weighted": acc, "acc_worst10": acc - 0.2, "new_acc_weighted": acc - 0.1, "best_acc_weighted": acc,
+            "wall_s": 10.0}
+
+
+def test_summary_means_and_paired_differences_against_equal_work_fedavg() -> None:
+    fed, dit = ew.ENTRIES["fedavg_ft_w16"], ew.ENTRIES["ditto_w16"]
+    sweep = [_sweep_record(e, c, 0.5 + 0.1 * i) for e in (fed, dit) for i, c in enumerate(e.sweep)]
+    texts = {e.key: ew.final_config(e, e.sweep[-1], ew.sweep_scores(e, sweep)) for e in (fed, dit)}
+    fin = [_final("fedavg_ft_w16", texts["fedavg_ft_w16"], s, a) for s, a in [(0, 0.90), (1, 0.92), (2, 0.91)]]
+    fin += [_final("ditto_w16", texts["ditto_w16"], s, a) for s, a in [(0, 0.93), (1, 0.93), (2, 0.96)]]
+    rows = ew.summarise([fed, dit], sweep, fin, [0, 1, 2])
+    r = {x["entry"]: x for x in rows}
+    assert r["ditto_w16"]["winner"] == dit.sweep[-1] and r["ditto_w16"]["winner_at_edge"]
+    assert r["ditto_w16"]["acc_weighted_mean"] == pytest.approx(0.94)
+    assert r["ditto_w16"]["acc_weighted_std"] == pytest.approx(math.sqrt(0.0003))
+    mean, std, n = ew.paired_against(rows, "fedavg_ft_w16")["ditto_w16"]
+    # differences 0.03, 0.01, 0.05
+    assert (mean, n) == (pytest.approx(0.03), 3) and std == pytest.approx(0.02)
+
+
+def test_committed_winner_configs_follow_from_the_committed_sweep_records() -> None:
+    """Every committed winner config is exactly what the generator writes from the committed sweep."""
+    sweep_path = REPO / ew.RESULTS / "sweep_fashion_mnist.jsonl"
+    committed = sorted((REPO / ew.WINNER_DIR).glob("*.yaml"))
+    if not committed:
+        pytest.skip("no sweep winner committed yet")
+    records = ew.read_records(sweep_path)
+    for p in committed:
+        entry = ew.ENTRIES[p.stem]
+        assert ew._winner_text(entry, records) == p.read_text(), p.name
