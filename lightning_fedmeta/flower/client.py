@@ -1,0 +1,247 @@
+"""One client of a deployment: its data, and the algorithm's functional round and evaluation on it.
+
+What the in-process loop computes for client ``c`` in round ``r`` (``FederatedModule.compute_round``,
+docs/design.md contracts 1, 2 and 9) is computed here from the node's own data alone:
+
+    batches  = draw_batch_indices(seed, "train", r, c, plan = algorithm.round_plan())   pure in (seed, r, c)
+    state    = the client's state after its last aggregated round (ClientStateFile), or the initial state
+               algorithm.init_client_states(w0, population)[c] before its first one
+    out      = algorithm.client_update(ctx, w, batches, state, σ, record_c)            (run_clients, 1 client)
+
+The record (index ``c`` = partition id, weight ``p_c`` over the training clients, held out, seen, ``n_c``) and the
+population (every client's record and label histogram, for ``bind_clients`` and the initial states) come from
+the server, which learned every client's size at start-up. Full-batch plans pad to the largest client's size,
+as the in-process loop does. The evaluation is ``FederatedModule._eval_fn``'s: ``personalize`` on the
+``"adapt"`` draws, then masked sums of the loss and of each built-in metric on the client's test set.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.data.federated import FederatedData, from_client_tensors
+from lightning_fedmeta.execution import choose_batching, run_clients
+from lightning_fedmeta.flower.config import DeploymentConfig, import_object, load_config
+from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.losses import LOSSES, resolve_loss
+from lightning_fedmeta.metrics import BUILTIN_METRICS, DEFAULT_METRICS
+from lightning_fedmeta.running_stats import prepare_model
+from lightning_fedmeta.sampling import draw_batch_indices, stable_seed
+from lightning_fedmeta.state import map_state
+
+__all__ = ["LocalClient", "client_for", "data_spec_of", "load_partition", "partition_of"]
+
+
+def partition_of(node_config: dict[str, Any]) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from a SuperNode's node config, checked."""
+    pid, num = node_config.get("partition-id"), node_config.get("num-partitions")
+    if pid is None:
+        raise ValueError(
+            "node config partition-id is missing: start the SuperNode with "
+            "--node-config \"partition-id=<i> num-partitions=<K>\""
+        )
+    if num is None:
+        raise ValueError("node config num-partitions is missing: start the SuperNode with "
+                         "--node-config \"partition-id=<i> num-partitions=<K>\"")
+    if isinstance(pid, bool) or not isinstance(pid, int) or isinstance(num, bool) or not isinstance(num, int):
+        raise ValueError(f"node config partition-id and num-partitions must be integers, got {pid!r} and {num!r}")
+    if num < 1:
+        raise ValueError(f"node config num-partitions must be >= 1, got {num}")
+    if not 0 <= pid < num:
+        raise ValueError(f"node config partition-id = {pid} is out of range for num-partitions = {num} "
+                         f"(0 <= partition-id < {num})")
+    return pid, num
+
+
+def _one_client(data: FederatedData, i: int) -> FederatedData:
+    """Client ``i`` of ``data`` as a federation of one (its name and the dataset's classes kept)."""
+    trx, try_ = data.client_train(i)
+    tex, tey = data.client_test(i)
+    return from_client_tensors([(trx, try_, tex, tey)], data.num_classes, [data.client_names[i]], data.task)
+
+
+@functools.lru_cache(maxsize=4)
+def _federation(config_path: str) -> FederatedData:
+    cfg = load_config(config_path)
+    dm = cfg.datamodule()
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.federated_data is not None
+    return dm.federated_data
+
+
+def load_partition(
+    cfg: DeploymentConfig, partition_id: int, num_partitions: int, hook: str | None = None
+) -> FederatedData:
+    """The node's data as a federation of one client.
+
+    Without ``hook``: client ``partition_id`` of the config's :class:`~lightning_fedmeta.FederatedDataModule`
+    (``data.*``; its ``num_clients`` must equal ``num-partitions``). With ``hook`` (``package.module:function``
+    or ``package.module.function``): ``function(partition_id, num_partitions)`` returning the node's
+    ``(train_x, train_y, test_x, test_y)`` or a one-client :class:`~lightning_fedmeta.data.FederatedData`.
+    """
+    if hook:
+        fn = import_object(hook, "client-data")
+        if not callable(fn):
+            raise ValueError(f"client-data = {hook!r} is not callable")
+        got = fn(partition_id, num_partitions)
+        if isinstance(got, FederatedData):
+            if got.num_clients != 1:
+                raise ValueError(f"client-data = {hook!r} returned {got.num_clients} clients; return this node's one")
+            return got
+        if not isinstance(got, tuple | list) or len(got) != 4:
+            raise ValueError(f"client-data = {hook!r} must return (train_x, train_y, test_x, test_y) or a "
+                             f"one-client FederatedData, got {type(got).__name__}")
+        return from_client_tensors([tuple(got)], _num_classes_from(cfg))  # type: ignore[arg-type]
+    data = _federation(cfg.path)
+    if data.num_clients != num_partitions:
+        raise ValueError(
+            f"node config num-partitions = {num_partitions} but the config's data has {data.num_clients} clients "
+            f"(data.num_clients in {cfg.path}); they must match"
+        )
+    return _one_client(data, partition_id)
+
+
+def _num_classes_from(cfg: DeploymentConfig) -> int | None:
+    """The classes of a hook's data: ``model.model.init_args.num_classes`` when the config names them."""
+    spec = cfg.model_spec
+    if isinstance(spec, dict):
+        n = (spec.get("init_args") or {}).get("num_classes")
+        if isinstance(n, int):
+            return n
+    return None
+
+
+def data_spec_of(data: FederatedData) -> dict[str, Any]:
+    """The data's shapes and task, as ``FederatedModule`` records them (``_data_spec``)."""
+    return {
+        "input_shape": list(data.input_shape), "num_classes": data.num_classes, "task": data.task,
+        "target_shape": list(data.target_shape),
+    }
+
+
+class LocalClient:
+    """The algorithm's client procedures on one node's data (``data``: a federation of one client)."""
+
+    def __init__(self, cfg: DeploymentConfig, data: FederatedData, partition_id: int) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.partition_id = int(partition_id)
+        self.algorithm: Algorithm = cfg.algorithm()
+        self.model: nn.Module = cfg.build_model(data_spec_of(data))
+        if prepare_model(self.model):
+            raise ValueError(
+                "model.model has BatchNorm layers with running statistics: their per-client statistics are not "
+                "deployed on Flower yet (use track_running_stats=False, GroupNorm or LayerNorm)"
+            )
+        loss = cfg.module_options.get("loss")
+        if loss is None and callable(getattr(self.model, "federated_loss", None)):
+            loss = self.model.federated_loss
+        if isinstance(loss, str) and loss not in LOSSES:
+            loss = import_object(loss, "model.loss")
+        self.per_sample_loss = resolve_loss(loss, str(data.task))
+        self.batching, _ = choose_batching(self.model, cfg.module_options.get("client_batching", "auto"))
+        if self.batching == "vmap" and not type(self.algorithm).batchable:
+            self.batching = "loop"
+        self.ctx = ClientContext(self.model, dict(self.model.named_buffers()), per_sample_loss=self.per_sample_loss)
+        metrics = cfg.module_options.get("metrics") or DEFAULT_METRICS[str(data.task)]
+        self.metric_names = {key: BUILTIN_METRICS[name] for key, name in dict(metrics).items()}
+        self._bound: Any = None
+
+    # -- the population --------------------------------------------------------------------------
+    def bind(self, population: ClientRecord, label_counts: Tensor) -> None:
+        """``algorithm.bind_clients`` with every client's record, as ``FederatedModule.attach_data`` calls it."""
+        key = (tuple(population.num_samples.tolist()), tuple(population.weight.tolist()),
+               tuple(population.is_new.tolist()), tuple(label_counts.reshape(-1).tolist()))
+        if self._bound != key:
+            self.algorithm.bind_clients(population, label_counts)
+            self._bound = key
+
+    def initial_state(self, init_params: Params, population: ClientRecord) -> dict[str, Any]:
+        """This client's row of ``algorithm.init_client_states(w0, population)`` (the module's store at setup)."""
+        states = self.algorithm.init_client_states(init_params, population)
+        return map_state(lambda v: v[self.partition_id].clone(), states)
+
+    # -- one round ---------------------------------------------------------------------------------
+    def _draw(self, tag: str, round_idx: int, plan: Any, width: int) -> Batch:
+        """The mini-batches ``FederatedModule._batches`` draws for this client (its own rows only)."""
+        c, n = self.partition_id, int(self.data.train_offsets[1])
+        offsets = torch.zeros(c + 2, dtype=torch.long)
+        offsets[c + 1] = n  # client c owns local rows 0..n-1: the same local draws as in the federation
+        idx, mask = draw_batch_indices(self.cfg.seed, tag, round_idx, torch.tensor([c]), offsets, plan, width)
+        return Batch(self.data.train_x[idx], self.data.train_y[idx], mask)
+
+    def _client_fn(self, params: Params, server_state: dict[str, Any], batches: Batch, state: dict[str, Any],
+                   record: ClientRecord) -> ClientOutput:
+        return self.algorithm.client_update(self.ctx, params, batches, state, server_state, record)
+
+    def _seeds(self, tag: str, round_idx: int) -> list[int] | None:
+        return [stable_seed(self.cfg.seed, tag, round_idx, self.partition_id)] if self.batching == "loop" else None
+
+    def train(self, round_idx: int, params: Params, server_state: dict[str, Any], state: dict[str, Any],
+              record: ClientRecord, width: int) -> ClientOutput:
+        """``client_update`` for round ``round_idx``, unstacked (one client), as ``compute_round`` runs it."""
+        self._check_record(record)
+        batches = self._draw("train", round_idx, self.algorithm.round_plan(), width)
+        stacked = run_clients(
+            self._client_fn, (params, server_state),
+            (batches, map_state(lambda v: v.unsqueeze(0), state), ClientRecord(*(t.reshape(1) for t in record))),
+            1, self.batching, None, self._seeds("dropout", round_idx),
+            label=f"{type(self.algorithm).__name__}.client_update",
+        )
+        return ClientOutput(*(map_state(lambda v: v[0], tree) for tree in stacked))
+
+    def evaluate(self, round_idx: int, params: Params, server_state: dict[str, Any], state: dict[str, Any],
+                 record: ClientRecord, width: int) -> dict[str, float]:
+        """The personalised evaluation (``FederatedModule._eval_fn``): ``total``, ``loss_sum`` and
+        ``<metric>_sum`` for each built-in metric, on this client's test set."""
+        self._check_record(record)
+        adapt = self._draw("adapt", round_idx, self.algorithm.eval_plan(), width)
+        adapt = Batch(adapt.x[0], adapt.y[0], adapt.mask[0])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            seeds = self._seeds("eval-dropout", round_idx)
+            with torch.random.fork_rng(devices=[]):
+                if seeds is not None:
+                    torch.manual_seed(seeds[0])
+                w = self.algorithm.personalize(self.ctx, params, adapt, state, server_state, record)
+                with torch.no_grad():
+                    outputs = self.ctx.predict(w, self.data.test_x)
+                    losses = self.ctx.per_sample_loss(outputs, self.data.test_y)
+        finally:
+            self.model.train(was_training)
+        result = {"total": float(losses.numel()), "loss_sum": float(losses.sum())}
+        for key, metric in self.metric_names.items():
+            result[f"{key}_sum"] = float(metric.per_sample(outputs, self.data.test_y).double().sum())
+        return result
+
+    def _check_record(self, record: ClientRecord) -> None:
+        n = int(self.data.train_offsets[1])
+        if int(record.index) != self.partition_id or int(record.num_samples) != n:
+            raise ValueError(
+                f"the server's record (index {int(record.index)}, {int(record.num_samples)} samples) is not this "
+                f"node's partition-id {self.partition_id} with {n} training samples"
+            )
+
+
+def client_for(node_config: dict[str, Any], run_config: dict[str, Any]) -> LocalClient:
+    """The :class:`LocalClient` of a node (cached per process: a SuperNode in ``process`` isolation reuses it)."""
+    pid, num = partition_of(node_config)
+    path = run_config.get("fedmeta-config")
+    if not isinstance(path, str) or not path:
+        raise ValueError("run config fedmeta-config (the path of the fedmeta YAML config) is missing")
+    hook = node_config.get("client-data") or run_config.get("client-data") or None
+    return _client_for(path, pid, num, str(hook) if hook else None)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_for(path: str, pid: int, num: int, hook: str | None) -> LocalClient:
+    cfg = load_config(path)
+    return LocalClient(cfg, load_partition(cfg, pid, num, hook), pid)
+

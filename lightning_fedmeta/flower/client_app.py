@@ -1,0 +1,120 @@
+"""The ClientApp: a node's answers to the server's query, train and evaluate messages.
+
+Messages (built by :mod:`lightning_fedmeta.flower.server`; records in :mod:`~lightning_fedmeta.flower.records`):
+
+* ``query``: reply with the node's ``partition-id``, its number of training and test samples, its data's shapes
+  and task, and its label histogram (the server needs every client's size for the weights ``p_i``).
+* ``train``: restore the client's state (the file of round ``state-round``, or the initial state), run the
+  algorithm's ``client_update`` for the round and reply with ``delta``, ``state``, ``extras`` (``ArrayRecord``)
+  and ``metrics`` (``MetricRecord`` with ``num-examples``); the new state is written to the state file first.
+* ``evaluate``: the personalised evaluation's sums (``MetricRecord``).
+
+The node's data is chosen by node config ``partition-id`` / ``num-partitions`` (and optionally ``client-data``, a
+hook); its state lives under node config ``state-dir`` (default :func:`~lightning_fedmeta.flower.state_file.
+default_state_dir`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of
+from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
+from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
+from lightning_fedmeta.state import map_state
+
+__all__ = ["app", "handle_query", "handle_train", "handle_evaluate"]
+
+app = ClientApp()
+
+
+def _state_file(client: LocalClient, context: Context, config: ConfigRecord) -> ClientStateFile:
+    root = context.node_config.get("state-dir") or default_state_dir()
+    return ClientStateFile(str(root), str(config["run-key"]), client.partition_id)
+
+
+def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, ...]:
+    """The round's inputs: config, global parameters, server state, this client's state and record, and the
+    padding width of full-batch plans (the largest client's training set)."""
+    content = msg.content
+    config = content.config_records["config"]
+    params = record_to_tree(content.array_records["params"])
+    server_state = record_to_tree(content.array_records["server-state"])
+    record = record_to_client_record(content.array_records["record"])
+    pop = record_to_tree(content.array_records["population"])
+    population = ClientRecord(
+        index=torch.arange(pop["num_samples"].numel()), weight=pop["weight"], is_new=pop["is_new"],
+        seen=torch.zeros(pop["num_samples"].numel(), dtype=torch.bool), num_samples=pop["num_samples"],
+    )
+    client.bind(population, pop["label_counts"])
+    state_round = int(config["state-round"])
+    files = _state_file(client, context, config)
+    if state_round < 0:  # never aggregated: the algorithm's initial state (from the initial global model)
+        state = client.initial_state(record_to_tree(content.array_records["init-params"]), population)
+    else:
+        state = files.load(state_round)
+    width = int(pop["num_samples"].max())
+    return config, params, server_state, state, record, width, files
+
+
+@app.query()
+def handle_query(msg: Message, context: Context) -> Message:
+    """The node's partition and data description."""
+    client = client_for(context.node_config, context.run_config)
+    data = client.data
+    spec = data_spec_of(data)
+    config = ConfigRecord({
+        "partition-id": client.partition_id,
+        "num-partitions": int(context.node_config["num-partitions"]),
+        "num-train": int(data.train_offsets[1]),
+        "num-test": int(data.test_offsets[1]),
+        "task": str(spec["task"]),
+        "num-classes": -1 if spec["num_classes"] is None else int(spec["num_classes"]),
+        "input-shape": [int(d) for d in spec["input_shape"]],
+        "target-shape": [int(d) for d in spec["target_shape"]],
+    })
+    counts = ArrayRecord(torch_state_dict={"label_counts": data.label_counts[0].clone()})
+    return Message(RecordDict({"data": config, "label-counts": counts}), reply_to=msg)
+
+
+@app.train()
+def handle_train(msg: Message, context: Context) -> Message:
+    """One round of the algorithm's ``client_update``; the new state is saved before the reply."""
+    client = client_for(context.node_config, context.run_config)
+    config, params, server_state, state, record, width, files = _inputs(client, msg, context)
+    round_idx = int(config["round"])
+    out = client.train(round_idx, params, server_state, state, record, width)
+    files.save(round_idx, out.state)
+    files.prune({int(config["state-round"]), round_idx})
+    upload_state = bool(context.run_config.get("upload-client-state", True))
+    state_out = out.state if upload_state else map_state(torch.zeros_like, out.state)
+    metrics = {k: float(v) for k, v in out.metrics.items()}
+    metrics["num-examples"] = int(record.num_samples)
+    reply = RecordDict({
+        "delta": tree_to_record(out.delta),
+        "state": tree_to_record(state_out),
+        "extras": tree_to_record(out.extras),
+        "metrics": MetricRecord(metrics),
+        "reply": ConfigRecord({"partition-id": client.partition_id, "round": round_idx}),
+    })
+    return Message(reply, reply_to=msg)
+
+
+@app.evaluate()
+def handle_evaluate(msg: Message, context: Context) -> Message:
+    """The personalised evaluation's sums on the node's test set."""
+    client = client_for(context.node_config, context.run_config)
+    config, params, server_state, state, record, width, _ = _inputs(client, msg, context)
+    sums = client.evaluate(int(config["round"]), params, server_state, state, record, width)
+    sums["num-examples"] = int(sums["total"])
+    reply = RecordDict({
+        "metrics": MetricRecord(sums),
+        "reply": ConfigRecord({"partition-id": client.partition_id, "round": int(config["round"])}),
+    })
+    return Message(reply, reply_to=msg)
+

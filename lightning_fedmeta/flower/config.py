@@ -1,0 +1,208 @@
+"""A fedmeta YAML config (the file ``fedmeta fit --config`` reads) read for a Flower deployment.
+
+The ServerApp and every ClientApp read the same file (run config ``fedmeta-config``), so a simulation
+config becomes a deployment in one step (docs/deploy.md). The file is parsed the way the ``fedmeta``
+command reads it, for the keys a deployment uses:
+
+    seed_everything         torch.manual_seed before the model is built (the initial global model)
+    trainer.max_steps       R, the number of rounds
+    model.algorithm         a registered name or {name, <hyper-parameters>} (built-in or plugin)
+    model.model             {class_path, init_args}, or absent: default_model from the data's shapes
+    model.*                 clients_per_round | fraction, aggregation, server_lr, server_optimizer,
+                            holdout_clients, seed, loss, metrics (built-in names)
+    data.*                  FederatedDataModule arguments (the partition a node trains on: partition-id)
+
+The options that *simulate* unreliable, Byzantine or private clients (contract 13) are refused: on Flower the
+failures are real, and robust or private aggregation belongs to the server's rule (docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fedmeta.algorithms.base import Algorithm
+
+__all__ = ["DeploymentConfig", "load_config", "import_object", "UNSUPPORTED_OPTIONS"]
+
+#: model options a deployment refuses, each with the reason (docs/deploy.md, "What is not deployed")
+UNSUPPORTED_OPTIONS: dict[str, str] = {
+    "client_dropout": "it simulates failures; on Flower failed replies are real and are tolerated",
+    "over_selection": "it simulates over-selection of clients that may fail",
+    "local_steps_dist": "it simulates stragglers",
+    "byzantine": "it simulates attacks",
+    "aggregator": "robust aggregation rules are not deployed yet (see docs/deploy.md)",
+    "dp": "DP-FedAvg is not deployed yet; see docs/deploy.md for Flower's DP mods",
+    "server_lr_scheduler": "a server learning-rate scheduler is not deployed yet",
+}
+
+#: model options that only choose how a simulation computes (ignored by a deployment)
+EXECUTION_OPTIONS = ("client_batching", "client_chunk_size", "compile_clients")
+
+_MODULE_OPTIONS = (
+    "clients_per_round", "fraction", "aggregation", "server_lr", "holdout_clients", "seed", "loss", "metrics",
+)
+
+
+def import_object(path: str, option: str) -> Any:
+    """The object at ``package.module.name`` or ``package.module:name`` (``option`` names the setting)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{option} = {path!r} is not an importable object: {exc}") from exc
+
+
+def _class_spec(spec: Any, option: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+    if isinstance(spec, str):
+        return import_object(spec, option), {}
+    if not isinstance(spec, dict) or "class_path" not in spec:
+        raise ValueError(f"{option} must be {{class_path: ..., init_args: {{...}}}}, got {spec!r}")
+    return import_object(spec["class_path"], f"{option}.class_path"), dict(spec.get("init_args") or {})
+
+
+@dataclass
+class DeploymentConfig:
+    """What a deployment needs from a fedmeta config (see the module docstring)."""
+
+    path: str
+    rounds: int
+    seed_everything: int | None
+    algorithm_spec: Any
+    module_options: dict[str, Any]
+    model_spec: Any = None
+    server_optimizer_spec: Any = None
+    data_options: dict[str, Any] = field(default_factory=dict)
+    eval_every: int = 10
+
+    # -- the pieces ---------------------------------------------------------------------------
+    def algorithm(self) -> Algorithm:
+        """A fresh instance of the configured algorithm (``model.algorithm``; unknown names raise)."""
+        from lightning_fedmeta.registry import create_algorithm
+
+        spec = copy.deepcopy(self.algorithm_spec)
+        try:
+            if isinstance(spec, str):
+                return create_algorithm(spec)
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ValueError(f"must be a registered name or a mapping with a 'name' key, got {spec!r}")
+            name = spec.pop("name")
+            return create_algorithm(name, **spec)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"model.algorithm in {self.path}: {exc}") from exc
+
+    @property
+    def seed(self) -> int:
+        """The module's seed of every draw (``model.seed``)."""
+        return int(self.module_options.get("seed", 0))
+
+    def build_model(self, data_spec: dict[str, Any]) -> nn.Module:
+        """The network, initialised after ``torch.manual_seed(seed_everything)`` (the initial global model).
+
+        ``model.model`` when given, else :func:`~lightning_fedmeta.models.default_model` for ``data_spec``
+        (``input_shape``, ``num_classes``, ``task``, ``target_shape``)."""
+        from lightning_fedmeta.models import default_model
+
+        if self.seed_everything is not None:
+            torch.manual_seed(int(self.seed_everything))
+        if self.model_spec is None:  # as FederatedModule._default_model_for
+            task = data_spec.get("task") or "classification"
+            if task == "classification":
+                return default_model(tuple(data_spec["input_shape"]), int(data_spec["num_classes"]))
+            return default_model(tuple(data_spec["input_shape"]), data_spec.get("num_classes"), task=task,
+                                 target_shape=tuple(data_spec.get("target_shape") or ()))
+        cls, args = _class_spec(self.model_spec, "model.model")
+        model = cls(**args)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model.model must build an nn.Module, got {type(model).__name__}")
+        return model
+
+    def server_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The server optimizer, as ``FederatedModule.configure_optimizers`` builds it: ``SGD(lr=server_lr)`` or
+        ``model.server_optimizer`` (``{class_path: torch.optim.Adam, init_args: {...}}``)."""
+        if self.server_optimizer_spec is None:
+            return torch.optim.SGD(params, lr=float(self.module_options.get("server_lr", 1.0)))
+        cls, args = _class_spec(self.server_optimizer_spec, "model.server_optimizer")
+        return cls(params, **args)
+
+    def server_optimizer_factory(self) -> Callable[[Any], torch.optim.Optimizer] | None:
+        """``model.server_optimizer`` as the factory ``FederatedModule(server_optimizer=...)`` takes."""
+        if self.server_optimizer_spec is None:
+            return None
+        cls, args = _class_spec(self.server_optimizer_spec, "model.server_optimizer")
+        return lambda params: cls(params, **args)
+
+    def datamodule(self) -> Any:
+        """The simulation's :class:`~lightning_fedmeta.FederatedDataModule` (``data.*``)."""
+        from lightning_fedmeta.data import FederatedDataModule
+
+        return FederatedDataModule(**self.data_options)
+
+    def reference_module(self, model: nn.Module) -> Any:
+        """The in-process :class:`~lightning_fedmeta.FederatedModule` this deployment equals (for tests)."""
+        from lightning_fedmeta.module import FederatedModule
+
+        return FederatedModule(
+            model=model, algorithm=copy.deepcopy(self.algorithm_spec),
+            server_optimizer=self.server_optimizer_factory(), **self.module_options,
+        )
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    """Read a fedmeta YAML config for a deployment (``ValueError`` naming the option for what it cannot use)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"fedmeta-config = {str(path)!r}: no such file (give the YAML of `fedmeta fit --config`)")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"fedmeta-config {str(path)!r} must hold a mapping, got {type(raw).__name__}")
+    model = dict(raw.get("model") or {})
+    trainer = dict(raw.get("trainer") or {})
+    data = dict(raw.get("data") or {})
+    for name, reason in UNSUPPORTED_OPTIONS.items():
+        value = model.get(name)
+        if value not in (None, 0, 0.0, "mean", {}):
+            raise ValueError(f"model.{name} = {value!r} cannot be deployed on Flower: {reason}; remove it")
+    unknown = sorted(set(model) - set(_MODULE_OPTIONS) - set(EXECUTION_OPTIONS) - set(UNSUPPORTED_OPTIONS)
+                     - {"algorithm", "model", "server_optimizer"})
+    if unknown:
+        raise ValueError(f"unknown model options {unknown} in {str(path)!r} for a Flower deployment")
+    metrics = model.get("metrics")
+    if metrics is not None and not all(isinstance(v, str) for v in dict(metrics).values()):
+        raise ValueError(f"model.metrics must be built-in metric names on Flower, got {metrics!r}")
+    rounds = trainer.get("max_steps")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"trainer.max_steps (the number of rounds) must be an integer >= 1, got {rounds!r}")
+    if "algorithm" not in model:
+        raise ValueError(f"model.algorithm is missing in {str(path)!r}")
+    seed_everything = raw.get("seed_everything")
+    if seed_everything is not None and (isinstance(seed_everything, bool) or not isinstance(seed_everything, int)):
+        raise ValueError(f"seed_everything must be an integer, got {seed_everything!r}")
+    server_lr = model.get("server_lr", 1.0)
+    if not isinstance(server_lr, int | float) or not server_lr >= 0 or server_lr == math.inf:
+        raise ValueError(f"model.server_lr must be a finite number >= 0, got {server_lr!r}")
+    cfg = DeploymentConfig(
+        path=str(p.resolve()),
+        rounds=rounds,
+        seed_everything=seed_everything,
+        algorithm_spec=model["algorithm"],
+        module_options={k: model[k] for k in _MODULE_OPTIONS if k in model},
+        model_spec=model.get("model"),
+        server_optimizer_spec=model.get("server_optimizer"),
+        data_options=data,
+        eval_every=int(data.get("eval_every", 10)),
+    )
+    cfg.algorithm()  # an unknown algorithm or hyper-parameter fails here, naming model.algorithm
+    return cfg

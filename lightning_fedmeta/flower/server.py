@@ -1,0 +1,461 @@
+"""The server of a deployment: a hand-written round loop over Flower's ``Grid`` (docs/deploy.md).
+
+Round ``r`` (the in-process ``FederatedModule.training_step``, docs/design.md contracts 1, 3, 9 and 13):
+
+    S       = sample_clients(seed, r, eligible, m)               pure in (seed, r): the simulator's draw
+    nodes   = the SuperNodes whose node config says partition-id ∈ S (learned by a query message; a restarted
+              node has a new node id and is found again)
+    replies = train messages to those nodes (global w, server state σ, record_c, the state round to start from)
+    A       = the clients whose reply arrived without error; a node found unavailable (restarted) gets the
+              message again, on its new node id, up to max-retries times; other failures are logged and dropped
+    p_A     = the aggregation weights renormalised over A (as under client_dropout, participation.py)
+    Δ, σ'   = algorithm.aggregate(w, stacked outputs of A, p_A, σ, record[A])
+    w      <- server optimizer step with p.grad = −Δ                SGD(lr=server_lr): w + βΔ; or model.server_optimizer
+    seen[A] <- True; state-round[A] <- r; σ <- σ'; checkpoint (atomic) so a restarted ServerApp resumes at r + 1
+
+A round nobody answers changes nothing and still counts. The personalised evaluation (every ``eval_every``
+rounds and after the last) sends evaluate messages to every client and reports Σ sums / Σ test samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from torch import Tensor
+
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.flower.config import DeploymentConfig
+from lightning_fedmeta.flower.records import client_record_to_record, record_to_tree, tree_to_record
+from lightning_fedmeta.flower.state_file import atomic_torch_save as atomic_save
+from lightning_fedmeta.functional import Params
+from lightning_fedmeta.sampling import choose_holdout, sample_clients
+from lightning_fedmeta.state import flatten_state, unflatten_state
+
+__all__ = ["DeploymentServer", "GridLike", "NODE_UNAVAILABLE", "RETRYABLE"]
+
+#: Flower's error code of a reply the SuperLink writes when the destination node stopped sending heartbeats
+NODE_UNAVAILABLE = 5
+#: error codes after which a message is sent again (to the partition's node, possibly a new one): the message or
+#: its reply was lost (3, 4), the node went away (5), the ClientApp process died with its node (8). A ClientApp
+#: that raised (2) is not retried: the client fails the round.
+RETRYABLE = frozenset({3, 4, NODE_UNAVAILABLE, 8})
+
+logger = logging.getLogger("flwr")
+
+
+class GridLike(Protocol):
+    """The part of ``flwr.serverapp.Grid`` the loop uses."""
+
+    def get_node_ids(self) -> Iterable[int]: ...
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]: ...
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]: ...
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]: ...
+
+
+class DeploymentServer:
+    """The round loop of one deployment.
+
+    Args:
+        cfg: the fedmeta config (:func:`~lightning_fedmeta.flower.config.load_config`).
+        grid: Flower's grid (or anything with ``get_node_ids`` and ``send_and_receive``).
+        run_key: the key of the clients' state files (a resumed server keeps the one of its checkpoint).
+        checkpoint: file written after every round (atomically); when it exists at start, the run resumes from it.
+        output_dir: where ``final_params.pt`` and ``history.json`` are written after the last round.
+        reply_timeout: seconds to wait for the replies of one round (``None``: until all arrive or fail).
+        node_timeout: seconds to wait for every partition's node to be connected (start-up, retries).
+        max_retries: how many times a message to a node found unavailable is sent again to its partition's new node.
+        pull_interval: seconds between two pulls of the replies.
+        poll_interval: seconds between two checks for restarted nodes while replies are awaited.
+        evaluate: run the personalised evaluation (every ``data.eval_every`` rounds and after the last).
+        log: where progress lines go.
+    """
+
+    def __init__(
+        self,
+        cfg: DeploymentConfig,
+        grid: GridLike,
+        run_key: str,
+        checkpoint: str | None = None,
+        output_dir: str | None = None,
+        reply_timeout: float | None = None,
+        node_timeout: float = 300.0,
+        max_retries: int = 2,
+        log: Callable[[str], None] | None = None,
+        pull_interval: float = 1.0,
+        poll_interval: float = 5.0,
+        evaluate: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.grid = grid
+        self.run_key = str(run_key)
+        self.checkpoint = checkpoint
+        self.output_dir = output_dir
+        self.reply_timeout = reply_timeout
+        self.node_timeout = float(node_timeout)
+        self.max_retries = int(max_retries)
+        self.pull_interval = float(pull_interval)
+        self.poll_interval = float(poll_interval)
+        self.evaluate_clients = bool(evaluate)
+        self.log = log or (lambda text: logger.info(text))
+        self.algorithm = cfg.algorithm()
+        self.node_of: dict[int, int] = {}  # partition id -> node id (the newest node that reported it)
+        self.known_nodes: set[int] = set()
+        self.info: dict[int, dict[str, Any]] = {}  # partition id -> what its node reported
+        self.history: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.round = 0
+
+    # ------------------------------------------------------------------------------------------
+    # nodes
+    # ------------------------------------------------------------------------------------------
+    def _query(self, node_ids: list[int]) -> None:
+        """Ask new nodes which partition they hold (a node that restarted reports its partition again)."""
+        if not node_ids:
+            return
+        messages = [Message(RecordDict({"query": ConfigRecord({"what": "partition"})}), dst_node_id=n,
+                            message_type="query") for n in node_ids]
+        for reply in self.grid.send_and_receive(messages, timeout=self.reply_timeout):
+            node = int(reply.metadata.src_node_id)
+            self.known_nodes.add(node)
+            if reply.has_error():
+                self.log(f"[fedmeta] node {node} did not answer the query: {reply.error.reason}")
+                continue
+            data = dict(reply.content.config_records["data"])
+            pid = int(data["partition-id"])
+            data["label_counts"] = reply.content.array_records["label-counts"].to_torch_state_dict()["label_counts"]
+            old = self.node_of.get(pid)
+            self.node_of[pid] = node
+            self.info[pid] = data
+            if old is not None and old != node:
+                self.log(f"[fedmeta] partition {pid} is now on node {node} (was {old}: restarted)")
+
+    def refresh_nodes(self, wait_for: Iterable[int] = (), timeout: float | None = None) -> set[int]:
+        """Query the nodes not seen before; wait (at most ``timeout`` s) until every partition in ``wait_for``
+        has a live node. Returns the partitions still without one."""
+        wanted = set(wait_for)
+        deadline = time.monotonic() + (self.node_timeout if timeout is None else timeout)
+        while True:
+            live = {int(n) for n in self.grid.get_node_ids()}
+            self.known_nodes &= live
+            for pid in [p for p, n in self.node_of.items() if n not in live]:
+                del self.node_of[pid]
+            self._query(sorted(live - self.known_nodes))
+            missing = wanted - set(self.node_of)
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.5)
+
+    def discover(self) -> None:
+        """Wait until all ``num-partitions`` partitions are connected, and learn their sizes."""
+        self.refresh_nodes()
+        deadline = time.monotonic() + self.node_timeout
+        while True:
+            total = {int(d["num-partitions"]) for d in self.info.values()}
+            if len(total) > 1:
+                raise ValueError(f"the SuperNodes disagree on node config num-partitions: {sorted(total)}")
+            if total and len(self.info) == next(iter(total)):
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"only partitions {sorted(self.info)} of {sorted(total) or '?'} connected within "
+                    f"{self.node_timeout:.0f} s (start a SuperNode for each partition-id)"
+                )
+            self.refresh_nodes(range(next(iter(total), 1)), timeout=min(5.0, self.node_timeout))
+        self.num_clients = next(iter(total))
+        self.log(f"[fedmeta] {self.num_clients} partitions connected: "
+                 + ", ".join(f"{p}->node {self.node_of[p]} ({self.info[p]['num-train']} samples)"
+                             for p in sorted(self.node_of)))
+
+    # ------------------------------------------------------------------------------------------
+    # setup and checkpoints
+    # ------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build the global model, the optimizer, the population's records and the algorithm's states (the
+        in-process ``FederatedModule.attach_data`` and ``configure_optimizers``), then resume a checkpoint."""
+        cfg, k = self.cfg, self.num_clients
+        first = self.info[0]
+        spec = {
+            "input_shape": list(first["input-shape"]), "task": first["task"],
+            "num_classes": None if int(first["num-classes"]) < 0 else int(first["num-classes"]),
+            "target_shape": list(first["target-shape"]),
+        }
+        self.model = cfg.build_model(spec)
+        self.init_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.optimizer = cfg.server_optimizer(list(self.model.parameters()))
+        options = cfg.module_options
+        self.seed = cfg.seed
+        self.counts = torch.tensor([int(self.info[p]["num-train"]) for p in range(k)], dtype=torch.long)
+        self.label_counts = torch.stack([self.info[p]["label_counts"] for p in range(k)])
+        self.holdout = choose_holdout(self.seed, k, options.get("holdout_clients", 0))
+        self.is_holdout = torch.zeros(k, dtype=torch.bool)
+        self.is_holdout[self.holdout] = True
+        self.eligible = (~self.is_holdout).nonzero().flatten()
+        n_eligible = int(self.eligible.numel())
+        self.aggregation = options.get("aggregation", "samples")
+        if options.get("fraction") is not None:
+            self.num_sampled = max(1, math.ceil(float(options["fraction"]) * n_eligible))
+        else:
+            self.num_sampled = int(options.get("clients_per_round", 10))
+            if self.num_sampled > n_eligible:
+                raise ValueError(f"model.clients_per_round = {self.num_sampled} exceeds the {n_eligible} training "
+                                 f"clients ({k} partitions, {k - n_eligible} held out)")
+        share = self.counts.to(torch.float64) if self.aggregation == "samples" else torch.ones(k, dtype=torch.float64)
+        share = share * (~self.is_holdout).to(torch.float64)
+        self.client_weight = share / share.sum()
+        self.seen = torch.zeros(k, dtype=torch.bool)
+        self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
+        self.algorithm.bind_clients(self.records(torch.arange(k)), self.label_counts)
+        self.server_state = self.algorithm.init_server_state(self.params())
+        self.population = tree_to_record({
+            "num_samples": self.counts, "weight": self.client_weight, "is_new": self.is_holdout,
+            "label_counts": self.label_counts,
+        })
+        self.round = 0
+        if self.checkpoint and os.path.isfile(self.checkpoint):
+            self.load(self.checkpoint)
+
+    def params(self) -> Params:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def records(self, clients: Tensor) -> ClientRecord:
+        """The stacked records of the given clients (``FederatedModule.records``)."""
+        idx = clients.long()
+        return ClientRecord(index=idx, weight=self.client_weight[idx], is_new=self.is_holdout[idx],
+                            seen=self.seen[idx], num_samples=self.counts[idx])
+
+    def weights(self, clients: Tensor) -> Tensor:
+        """The round's weights, renormalised over ``clients`` (``FederatedModule._weights``)."""
+        w = torch.ones(clients.numel()) if self.aggregation == "uniform" else self.counts[clients].to(torch.float32)
+        return w / w.sum()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round, "run_key": self.run_key, "params": {k: v.clone() for k, v in self.params().items()},
+            "init_params": self.init_params, "optimizer": self.optimizer.state_dict(),
+            "server_state": flatten_state(self.server_state), "seen": self.seen.clone(),
+            "state_round": self.state_round.clone(), "history": self.history, "failures": self.failures,
+            "num_clients": self.num_clients, "counts": self.counts.clone(),
+        }
+
+    def save(self, path: str) -> None:
+        atomic_save(self.state_dict(), path)
+
+    def load(self, path: str) -> None:
+        """Resume from a checkpoint (the same partitions must be connected)."""
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if int(saved["num_clients"]) != self.num_clients or not torch.equal(saved["counts"], self.counts):
+            raise ValueError(f"checkpoint {path} was written for other partitions (sizes {saved['counts'].tolist()}, "
+                             f"connected {self.counts.tolist()})")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(saved["params"][name])
+        self.init_params = saved["init_params"]
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.server_state = unflatten_state(saved["server_state"])
+        self.seen = saved["seen"].clone()
+        self.state_round = saved["state_round"].clone()
+        self.history = list(saved["history"])
+        self.failures = list(saved["failures"])
+        self.round = int(saved["round"])
+        self.run_key = str(saved["run_key"])
+        self.log(f"[fedmeta] resumed from {path} at round {self.round} (state key {self.run_key})")
+
+    # ------------------------------------------------------------------------------------------
+    # messages
+    # ------------------------------------------------------------------------------------------
+    def _content(self, round_idx: int, pid: int) -> RecordDict:
+        content = RecordDict({
+            "config": ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
+                                    "state-round": int(self.state_round[pid])}),
+            "params": tree_to_record(self.params()),
+            "server-state": tree_to_record(self.server_state),
+            "record": client_record_to_record(ClientRecord(*(t[0] for t in self.records(torch.tensor([pid]))))),
+            "population": self.population,
+        })
+        if int(self.state_round[pid]) < 0:  # the client starts from the initial state, made from w0
+            content["init-params"] = tree_to_record(self.init_params)
+        return content
+
+    def exchange(self, kind: str, round_idx: int, partitions: list[int]) -> dict[int, Message]:
+        """Send ``kind`` messages to the partitions' nodes; the good replies by partition.
+
+        A message whose node went away (an error reply saying so, or the partition reported by a new node while
+        the reply is awaited: a restarted SuperNode) is sent again to the partition's new node, up to
+        ``max_retries`` times; any other error, or no reply within ``reply_timeout``, fails the client."""
+        pending, replies = set(partitions), {}
+        for attempt in range(self.max_retries + 1):
+            missing = self.refresh_nodes(pending)
+            for pid in sorted(missing):
+                self._failed(kind, round_idx, pid, "no node holds this partition-id")
+            targets = {p: self.node_of[p] for p in sorted(pending - missing)}
+            if not targets:
+                break
+            got, retry = self._send_and_wait(kind, round_idx, targets, last=attempt == self.max_retries)
+            replies.update(got)
+            pending = retry
+            if not pending:
+                break
+        return replies
+
+    def _send_and_wait(
+        self, kind: str, round_idx: int, targets: dict[int, int], last: bool
+    ) -> tuple[dict[int, Message], set[int]]:
+        """Push one message per partition, then pull the replies until all are in, the reply timeout, or a
+        partition's node is replaced. Returns the good replies and the partitions to send again."""
+        messages = [Message(self._content(round_idx, p), dst_node_id=n, message_type=kind) for p, n in targets.items()]
+        ids = list(self.grid.push_messages(messages))
+        outstanding = {mid: pid for mid, pid in zip(ids, targets, strict=True) if mid}
+        for pid in sorted(set(targets) - set(outstanding.values())):
+            self._failed(kind, round_idx, pid, "the SuperLink refused the message")
+        replies: dict[int, Message] = {}
+        retry: set[int] = set()
+        deadline = None if self.reply_timeout is None else time.monotonic() + self.reply_timeout
+        next_check = time.monotonic() + self.poll_interval
+        while outstanding:
+            for reply in self.grid.pull_messages(list(outstanding)):
+                pid = outstanding.pop(reply.metadata.reply_to_message_id, None)
+                if pid is None:
+                    continue
+                if not reply.has_error():
+                    replies[pid] = reply
+                elif reply.error.code in RETRYABLE and not last:
+                    self.log(f"[fedmeta] round {round_idx}: node {targets[pid]} (partition {pid}) is unavailable "
+                             f"(error {reply.error.code}); sending again to its partition's node")
+                    self.known_nodes.discard(targets[pid])
+                    self.node_of.pop(pid, None)
+                    retry.add(pid)
+                else:
+                    self._failed(kind, round_idx, pid, f"error {reply.error.code}: {reply.error.reason}")
+            if not outstanding:
+                break
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                for pid in sorted(outstanding.values()):
+                    self._failed(kind, round_idx, pid, f"no reply within {self.reply_timeout} s")
+                break
+            if now >= next_check and not last:  # a restarted node: its partition is now on a new node id
+                self.refresh_nodes(timeout=0.0)
+                for mid, pid in list(outstanding.items()):
+                    if self.node_of.get(pid) not in (None, targets[pid]):
+                        self.log(f"[fedmeta] round {round_idx}: partition {pid} moved from node {targets[pid]} to "
+                                 f"node {self.node_of[pid]} while its reply was awaited; sending again")
+                        del outstanding[mid]
+                        retry.add(pid)
+                next_check = now + self.poll_interval
+            time.sleep(self.pull_interval)
+        return replies, retry
+
+    def _failed(self, kind: str, round_idx: int, pid: int, reason: str) -> None:
+        self.failures.append({"round": round_idx, "partition": pid, "kind": kind, "reason": reason})
+        self.log(f"[fedmeta] round {round_idx}: {kind} of partition {pid} failed ({reason}); "
+                 "aggregating over the clients that answered")
+
+    # ------------------------------------------------------------------------------------------
+    # rounds
+    # ------------------------------------------------------------------------------------------
+    def sampled(self, round_idx: int) -> Tensor:
+        """The round's clients: ``sample_clients(seed, r)``, as in the simulator (sorted)."""
+        return sample_clients(self.seed, round_idx, self.eligible, self.num_sampled)
+
+    def train_round(self, round_idx: int) -> dict[str, Any]:
+        """One round (see the module docstring); returns its log entry."""
+        sampled = self.sampled(round_idx)
+        replies = self.exchange("train", round_idx, sampled.tolist())
+        answered = torch.tensor(sorted(replies), dtype=torch.long)
+        entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist()}
+        if answered.numel() == 0:
+            self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the model is unchanged")
+            return entry
+        outs = [self._output(replies[int(p)]) for p in answered]
+        out = ClientOutput(*(torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *[o[i] for o in outs])
+                             if outs[0][i] else {} for i in range(4)))
+        weights = self.weights(answered)
+        params = self.params()
+        delta, new_server_state = self.algorithm.aggregate(params, out, weights, self.server_state,
+                                                           self.records(answered))
+        if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
+            raise FloatingPointError(
+                f"round {round_idx}: the aggregated update is not finite; lower the learning rates"
+            )
+        self.optimizer.zero_grad()
+        for name, p in self.model.named_parameters():
+            p.grad = (-delta[name]).to(p.dtype)
+        self.optimizer.step()
+        self.server_state = new_server_state
+        self.seen[answered] = True
+        self.state_round[answered] = round_idx
+        metrics = {k: float(v) for k, v in weighted_mean_metrics(out.metrics, weights).items()}
+        entry["train"] = metrics
+        self.log(f"[fedmeta] round {round_idx}: clients {answered.tolist()} of {sampled.tolist()} aggregated; "
+                 + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
+        return entry
+
+    @staticmethod
+    def _output(reply: Message) -> ClientOutput:
+        content = reply.content
+        metrics = {k: torch.tensor(v, dtype=torch.float32) for k, v in content.metric_records["metrics"].items()
+                   if k != "num-examples"}
+        return ClientOutput(
+            delta=record_to_tree(content.array_records["delta"]),
+            state=record_to_tree(content.array_records["state"]),
+            extras=record_to_tree(content.array_records["extras"]),
+            metrics=metrics,
+        )
+
+    def evaluate(self, round_idx: int) -> dict[str, float]:
+        """The personalised evaluation of every client (``{metric}_weighted``, ``{metric}_mean``, and the loss)."""
+        k = self.num_clients
+        replies = self.exchange("evaluate", round_idx, list(range(k)))
+        per_client = {p: dict(m.content.metric_records["metrics"]) for p, m in replies.items()}
+        result: dict[str, float] = {"clients": float(len(per_client))}
+        if not per_client:
+            return result
+        total = sum(v["total"] for v in per_client.values())
+        names = [key[: -len("_sum")] for key in next(iter(per_client.values())) if key.endswith("_sum")]
+        for name in names:
+            result[f"{name}_weighted"] = sum(v[f"{name}_sum"] for v in per_client.values()) / total
+            result[f"{name}_mean"] = sum(v[f"{name}_sum"] / v["total"] for v in per_client.values()) / len(per_client)
+        self.log(f"[fedmeta] personalised evaluation after round {round_idx}: "
+                 + ", ".join(f"{k} = {v:.4f}" for k, v in result.items() if k != "clients"))
+        return result
+
+    def run(self) -> dict[str, Any]:
+        """Discover the nodes, set up (or resume), train the remaining rounds, evaluate, write the outputs."""
+        self.discover()
+        self.setup()
+        rounds = self.cfg.rounds
+        self.log(f"[fedmeta] {self.algorithm!r}: rounds {self.round}..{rounds - 1}, {self.num_sampled} of "
+                 f"{int(self.eligible.numel())} training clients per round, state key {self.run_key}")
+        while self.round < rounds:
+            r = self.round
+            started = time.monotonic()
+            entry = self.train_round(r)
+            self.round = r + 1
+            if self.evaluate_clients and (self.round % self.cfg.eval_every == 0 or self.round == rounds):
+                entry["evaluate"] = self.evaluate(self.round)
+            entry["seconds"] = round(time.monotonic() - started, 2)
+            self.history.append(entry)
+            if self.checkpoint:
+                self.save(self.checkpoint)
+        result = {"round": self.round, "history": self.history, "failures": self.failures}
+        if self.output_dir:
+            out = Path(self.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_save({k: v.clone() for k, v in self.params().items()}, out / "final_params.pt")
+            atomic_save({"server_state": copy.deepcopy(flatten_state(self.server_state))}, out / "server_state.pt")
+            (out / "history.json").write_text(json.dumps(result, indent=1))
+        return result
+

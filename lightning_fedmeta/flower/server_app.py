@@ -1,0 +1,57 @@
+"""The ServerApp: reads the run config, then runs :class:`~lightning_fedmeta.flower.server.DeploymentServer`.
+
+Run config (``[tool.flwr.app.config]`` of the app's ``pyproject.toml``, or ``flwr run --run-config``):
+
+    fedmeta-config       path of the fedmeta YAML (the file of ``fedmeta fit --config``; absolute, or relative
+                         to the ServerApp's and ClientApps' working folders). Required.
+    output-dir           where final_params.pt, server_state.pt, history.json and the checkpoint go ("" = none)
+    checkpoint           the per-round checkpoint ("" = <output-dir>/server_checkpoint.pt); a restarted ServerApp
+                         resumes from it
+    run-key              the key of the clients' state files ("" = the Flower run id; a resumed run keeps the
+                         key of its checkpoint)
+    reply-timeout        seconds to wait for a round's replies (0 = until every reply or error arrives)
+    node-timeout         seconds to wait for every partition's SuperNode
+    max-retries          resends to a partition whose node became unavailable (restarted)
+    evaluate             run the personalised evaluation (every data.eval_every rounds and after the last)
+    upload-client-state  (read by the ClientApp) upload the client's new state with its reply (default true;
+                         false sends zeros: only for algorithms whose aggregate does not read client states)
+"""
+
+from __future__ import annotations
+
+import os
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from lightning_fedmeta.flower.config import load_config
+from lightning_fedmeta.flower.server import DeploymentServer
+
+__all__ = ["app", "server_from_context"]
+
+app = ServerApp()
+
+
+def server_from_context(grid: Grid, context: Context) -> DeploymentServer:
+    """The :class:`DeploymentServer` the run config describes."""
+    rc = context.run_config
+    path = rc.get("fedmeta-config")
+    if not isinstance(path, str) or not path:
+        raise ValueError("run config fedmeta-config (the path of the fedmeta YAML config) is missing")
+    cfg = load_config(path)
+    output_dir = str(rc.get("output-dir") or "") or None
+    checkpoint = str(rc.get("checkpoint") or "") or (
+        os.path.join(output_dir, "server_checkpoint.pt") if output_dir else None
+    )
+    reply_timeout = float(rc.get("reply-timeout", 0) or 0) or None
+    return DeploymentServer(
+        cfg, grid, run_key=str(rc.get("run-key") or "") or str(context.run_id), checkpoint=checkpoint,
+        output_dir=output_dir, reply_timeout=reply_timeout, node_timeout=float(rc.get("node-timeout", 300)),
+        max_retries=int(rc.get("max-retries", 2)), evaluate=bool(rc.get("evaluate", True)),
+    )
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Train ``trainer.max_steps`` rounds of the configured algorithm on the connected SuperNodes."""
+    server_from_context(grid, context).run()

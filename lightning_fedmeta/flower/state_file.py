@@ -1,0 +1,117 @@
+"""A client's state on its own disk, so it survives a SuperNode restart.
+
+Flower keeps ``context.state`` in the SuperNode's memory, per run and node: a restarted SuperNode starts with
+an empty one and a new node id. The client's row of the state store (a personal model, control variates,
+dual variables: whatever the algorithm's ``client_update`` returns as ``state``) is therefore written to a
+file keyed by the deployment's run key and the node's ``partition-id``::
+
+    <state-dir>/run-<run key>/partition-<p>/round-<r>.pt      the client's state after round r
+
+The server tells each message which round's state to start from (``state-round``: the last round whose reply
+from this client it aggregated; −1 before the first one, when the state is the algorithm's initial state).
+A round the server did not aggregate (a lost reply) therefore never leaks into the next one, and a retried
+round recomputes from the same state: exactly the in-process loop, where a failed client's state is untouched.
+Files are written atomically (:func:`atomic_torch_save`: temporary file in the same folder, ``fsync``,
+``os.replace``, folder ``fsync``), so a crash never leaves a half-written state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fedmeta.state import flatten_state, unflatten_state
+
+__all__ = ["ClientStateFile", "atomic_torch_save", "default_state_dir"]
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)`` that never leaves ``path`` half-written: a temporary file in the same folder,
+    flushed and ``fsync``-ed, ``os.replace``-d over ``path``, then the folder ``fsync``-ed (the same protocol as
+    :func:`lightning_fedmeta.checkpointing.atomic_save`, without importing Lightning in the ClientApp)."""
+    target = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(target)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    try:
+        with open(tmp, "xb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if os.name != "nt":
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+_ROUND_FILE = re.compile(r"^round-(-?\d+)\.pt$")
+
+
+def default_state_dir() -> str:
+    """``$FEDMETA_FLOWER_STATE_DIR``, else ``$FLWR_HOME/fedmeta-state``, else ``~/.flwr/fedmeta-state``."""
+    explicit = os.environ.get("FEDMETA_FLOWER_STATE_DIR")
+    if explicit:
+        return explicit
+    home = os.environ.get("FLWR_HOME") or os.path.join(os.path.expanduser("~"), ".flwr")
+    return os.path.join(home, "fedmeta-state")
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+class ClientStateFile:
+    """The state files of one client (``partition_id``) in one deployment (``run_key``)."""
+
+    def __init__(self, root: str | os.PathLike[str], run_key: str, partition_id: int) -> None:
+        self.directory = Path(root) / f"run-{_safe(str(run_key))}" / f"partition-{int(partition_id)}"
+        self.partition_id = int(partition_id)
+
+    def path(self, round_idx: int) -> Path:
+        return self.directory / f"round-{int(round_idx)}.pt"
+
+    def save(self, round_idx: int, state: dict[str, Any]) -> Path:
+        """Write the state after round ``round_idx`` (atomically)."""
+        path = self.path(round_idx)
+        flat = {k: v.detach().cpu().clone() for k, v in flatten_state(state).items()}
+        atomic_torch_save({"round": int(round_idx), "partition_id": self.partition_id, "state": flat}, path)
+        return path
+
+    def load(self, round_idx: int) -> dict[str, Any]:
+        """The state after round ``round_idx``; ``ValueError`` naming the file when it is missing."""
+        path = self.path(round_idx)
+        if not path.is_file():
+            raise ValueError(
+                f"the state of partition-id {self.partition_id} after round {round_idx} is missing ({path}): this "
+                "node lost its state directory (node config state-dir), so its personal state cannot be restored"
+            )
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return unflatten_state(saved["state"])
+
+    def rounds(self) -> list[int]:
+        """The rounds whose state is on disk, ascending."""
+        if not self.directory.is_dir():
+            return []
+        found = (_ROUND_FILE.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def prune(self, keep: set[int]) -> None:
+        """Remove the files of rounds older than the newest kept one and not in ``keep``."""
+        if not keep:
+            return
+        newest = max(keep)
+        for r in self.rounds():
+            if r not in keep and r < newest:
+                self.path(r).unlink(missing_ok=True)
