@@ -100,12 +100,15 @@ CHANGEABLE_MODEL_SETTINGS: dict[str, str] = {
     "client_batching": "how clients are executed (vmap or loop)",
     "client_chunk_size": "how many clients one vmap call runs",
     "compile_clients": "whether the client steps are compiled",
+    "client_state": "where the client state rows are kept (memory or disk; the same values)",
+    "client_state_dir": "the folder of the disk-backed client state",
 }
 #: datamodule settings that may differ on resume
 CHANGEABLE_DATA_SETTINGS: dict[str, str] = {
     "root": "where the data files are",
     "download": "whether missing files are fetched",
     "eval_every": "the evaluation schedule (training is the same)",
+    "eval_clients": "which clients the validations score (training is the same)",
 }
 #: settings that may differ when a checkpoint is only evaluated (validate, test, load_from_checkpoint)
 EVALUATION_ONLY_SETTINGS: dict[str, str] = {

@@ -22,6 +22,7 @@ the single-process run aggregates.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -46,6 +47,7 @@ from lightning_fedmeta.checkpointing import (
 )
 from lightning_fedmeta.compiled import PrimitiveCompiler, describe_decision, worth_compiling
 from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
+from lightning_fedmeta.disk_state import DiskClientStateStore, is_disk_manifest
 from lightning_fedmeta.execution import ClientBatching, choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_sum
 from lightning_fedmeta.losses import DEFAULT_LOSS, LOSSES, PerSampleLoss, loss_name, resolve_loss
@@ -55,7 +57,13 @@ from lightning_fedmeta.participation import answering_clients, mask_missing_step
 from lightning_fedmeta.registry import create_algorithm
 from lightning_fedmeta.reliability import Reliability
 from lightning_fedmeta.running_stats import client_buffers, prepare_model
-from lightning_fedmeta.sampling import choose_holdout, draw_batch_indices, sample_clients, stable_seed
+from lightning_fedmeta.sampling import (
+    choose_holdout,
+    draw_batch_indices,
+    generator_for,
+    sample_clients,
+    stable_seed,
+)
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
 from lightning_fedmeta.validation import (
     validate_aggregate_output,
@@ -213,6 +221,14 @@ class FederatedModule(LightningModule):
             target_epsilon: 8, adaptive_clip: true}``: every update clipped to norm ``C``, Gaussian noise
             ``σ·C`` on the sum, weights ``1/m``; ε (Opacus's RDP accountant) logged every round; training stops
             before ``target_epsilon`` would be exceeded. Needs ``aggregation="uniform"``.
+        client_state: where the clients' state rows (personal models, control variates, ...) live: ``"memory"``
+            (one ``[K, ...]`` tensor per entry), ``"disk"`` (memory-mapped files, only the round's rows in
+            memory, checkpoints reference immutable checksummed segments:
+            :class:`~lightning_fedmeta.disk_state.DiskClientStateStore`) or ``"auto"`` (default): disk when
+            ``K × row bytes`` exceeds :data:`~lightning_fedmeta.disk_state.DISK_STATE_THRESHOLD_BYTES` (2 GiB);
+            the choice is logged. Results are the same bit for bit. docs/scale.md.
+        client_state_dir: the folder of the disk-backed state (each process uses ``rank-<r>`` in it; keep it
+            with the checkpoints, which reference its segments). ``None``: ``<trainer.default_root_dir>/client_state``.
 
     The reliability options (the last six) and the combinations refused at setup: docs/reliability.md.
     """
@@ -240,6 +256,8 @@ class FederatedModule(LightningModule):
         aggregator: str | dict[str, Any] | None = None,
         byzantine: dict[str, Any] | None = None,
         dp: dict[str, Any] | None = None,
+        client_state: Literal["auto", "memory", "disk"] = "auto",
+        client_state_dir: str | None = None,
     ) -> None:
         super().__init__()
         #: the reliability options, parsed (each error names its model.* option; docs/reliability.md)
@@ -324,7 +342,7 @@ class FederatedModule(LightningModule):
         #: "auto": whether this run compiles its training steps (None until decided; checkpointed)
         self.compile_decision: bool | None = None if compile_clients == "auto" else bool(compile_clients)
         self._eager_rounds_timed = 0
-        self._test_cache: tuple[Any, Batch] | None = None  # the last padded test gather (see _test_batches)
+        self._test_cache: dict[Any, Batch] | None = None  # padded test gathers per chunk (see _test_batches)
         self._gather_buffers: dict[Any, Tensor] = {}  # reused destinations of the mini-batch gathers (_batches)
         self.holdout_clients = holdout_clients
         self.seed = seed
@@ -346,7 +364,13 @@ class FederatedModule(LightningModule):
         self.byzantine_clients = torch.zeros(0, dtype=torch.long)
         self._round_steps: Tensor | None = None
 
-        self.client_states = ClientStateStore()
+        if client_state not in ("auto", "memory", "disk"):
+            raise ValueError(f"model.client_state must be 'auto', 'memory' or 'disk', got {client_state!r}")
+        if client_state_dir is not None and not isinstance(client_state_dir, str | os.PathLike):
+            raise ValueError(f"model.client_state_dir must be a folder path, got {client_state_dir!r}")
+        self.client_state = client_state
+        self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
+        self.client_states: ClientStateStore | DiskClientStateStore = ClientStateStore()
         self.client_buffers = ClientStateStore()  # per-client BatchNorm running statistics ([K, ...] per buffer)
         self.stat_names: list[str] = []
         self._round_buffers: tuple[Tensor, dict[str, Tensor], Tensor] | None = None
@@ -357,6 +381,7 @@ class FederatedModule(LightningModule):
         self.last_summary_round = -1  # the round last_summary was measured after
         self._stopped_by_privacy_budget = False
         self.last_per_client: dict[str, Tensor] = {}
+        self.last_evaluated: Tensor | None = None  # the clients the last evaluation scored (data.eval_clients)
         self._data_spec: dict[str, Any] | None = None
         self._validated: set[str] = set()  # algorithm functions whose outputs passed validation (first round)
         self._placed_on: torch.device | None = None
@@ -435,9 +460,7 @@ class FederatedModule(LightningModule):
         everyone = self.records(torch.arange(k), device=torch.device("cpu"))
         self.algorithm.bind_clients(everyone, data.label_counts.cpu())
         if not self.client_states.tensors:
-            states = self.algorithm.init_client_states(params, everyone)
-            validate_init_client_states(self.algorithm, states, k)
-            self.client_states = ClientStateStore(states)
+            self.client_states = self._init_client_states(params, everyone)
         if not self.server_state:
             server_state = self.algorithm.init_server_state(params)
             validate_init_server_state(self.algorithm, server_state)
@@ -456,6 +479,90 @@ class FederatedModule(LightningModule):
             f"[lightning_fedmeta] {self.algorithm!r}: {k} clients ({n_eligible} training, "
             f"{k - n_eligible} held out), {self.num_sampled} per round; clients: {reason}"
         )
+
+    def _store_rank(self) -> int:
+        return int(self.trainer.global_rank) if self._trainer is not None else 0
+
+    def _store_root(self) -> str:
+        """``model.client_state_dir``, else ``<trainer.default_root_dir>/client_state``, else a temporary folder."""
+        if self.client_state_dir is not None:
+            return self.client_state_dir
+        if self._trainer is not None:
+            return os.path.join(self.trainer.default_root_dir, "client_state")
+        import tempfile
+
+        return tempfile.mkdtemp(prefix="fedmeta_client_state_")
+
+    def _init_client_states(self, params: Params, everyone: ClientRecord) -> ClientStateStore | DiskClientStateStore:
+        """The clients' initial state, in memory or on disk (``client_state``; "auto": disk above
+        :data:`~lightning_fedmeta.disk_state.DISK_STATE_THRESHOLD_BYTES` of ``K × row bytes``).
+
+        On disk, an algorithm that keeps :meth:`Algorithm.init_client_states`'s default (every client starts from
+        ``init_client_state(w0)``) is initialised lazily: the files start empty and a row never written reads as
+        that template, exactly the values of the eager initialisation. One that overrides it is initialised in
+        blocks of clients (``init_client_states(w0, records[block])``), never all ``K`` rows in memory at once."""
+        from lightning_fedmeta import disk_state  # the threshold is read at call time (tests lower it)
+
+        k = int(everyone.index.numel())
+        per_client = type(self.algorithm).init_client_states is not Algorithm.init_client_states
+        if self.client_state == "memory":
+            states = self.algorithm.init_client_states(params, everyone)
+            validate_init_client_states(self.algorithm, states, k)
+            return ClientStateStore(states)
+        one = ClientRecord(*(t[:1] for t in everyone))
+        template = None if per_client else self.algorithm.init_client_state(params)
+        try:  # the size of one row; a malformed state is reported below, by the validation of the path taken
+            sample = self.algorithm.init_client_states(params, one) if per_client else map_state(
+                lambda t: t.unsqueeze(0), template)
+            row_bytes = sum(v.numel() * v.element_size() for v in flatten_state(sample).values())
+        except (AttributeError, TypeError, ValueError):
+            sample, row_bytes = None, 0
+        total = k * row_bytes
+        disk = self.client_state == "disk" or total > disk_state.DISK_STATE_THRESHOLD_BYTES
+        if self.client_state == "disk" and row_bytes == 0:  # nothing to keep, but a bad folder is still an error
+            disk_state.check_directory(self._store_root(), self._store_rank())
+        if not disk or row_bytes == 0:
+            states = self.algorithm.init_client_states(params, everyone)
+            validate_init_client_states(self.algorithm, states, k)
+            store: ClientStateStore | DiskClientStateStore = ClientStateStore(states)
+        elif per_client:
+            validate_init_client_states(self.algorithm, sample, 1)
+            store = DiskClientStateStore.from_rows(
+                self._store_root(), k,
+                lambda c: self.algorithm.init_client_states(params, ClientRecord(*(t[c] for t in everyone))),
+                rank=self._store_rank(), who=f"{type(self.algorithm).__name__}.init_client_states",
+            )
+        else:
+            validate_init_client_states(self.algorithm, sample, 1)
+            store = DiskClientStateStore.lazy(self._store_root(), k, template, rank=self._store_rank())
+        rank_zero_info(
+            f"[lightning_fedmeta] model.client_state={self.client_state}: {disk_state.describe(store)}; "
+            f"{k} clients x {row_bytes} bytes per client (disk above "
+            f"{disk_state.DISK_STATE_THRESHOLD_BYTES / 2**30:g} GiB)"
+        )
+        return store
+
+    def _restore_client_states(self, entry: Mapping[str, Any]) -> None:
+        """The client state of a checkpoint: a disk store's manifest (rebuilt from its segments) or flat tensors;
+        converted when ``client_state`` asks for the other kind."""
+        old = self.client_states
+        if is_disk_manifest(entry):
+            store: ClientStateStore | DiskClientStateStore = DiskClientStateStore.restore(
+                entry, self.client_state_dir, rank=self._store_rank()
+            )
+            if self.client_state == "memory":
+                memory = ClientStateStore(unflatten_state(store.state_dict()))
+                store.close()
+                store = memory
+        elif self.client_state == "disk" and entry:
+            store = DiskClientStateStore.from_tensors(self._store_root(), unflatten_state(dict(entry)),
+                                                      rank=self._store_rank())
+        else:
+            store = ClientStateStore()
+            store.load_state_dict(entry)
+        if isinstance(old, DiskClientStateStore):
+            old.close()
+        self.client_states = store
 
     def records(self, clients: Tensor, device: torch.device | None = None) -> ClientRecord:
         """The stacked :class:`ClientRecord` of the given client indices (on the module's device)."""
@@ -646,20 +753,26 @@ class FederatedModule(LightningModule):
         return buffer
 
     def _test_batches(self, clients: Tensor) -> Batch:
-        """The listed clients' padded test sets ``[C, width, ...]``. They never change, so the last gather is
-        kept (up to :data:`TEST_CACHE_BYTES`) and an evaluation of the same clients does not copy them again."""
+        """The listed clients' padded test sets ``[C, width, ...]``. They never change, so gathers are kept, one
+        per chunk of clients, while they add up to at most :data:`TEST_CACHE_BYTES` (the first chunks of a
+        streamed evaluation; ``attach_data`` and checkpoint loading reset the cache to ``None``), and an
+        evaluation of the same chunks does not copy them again."""
         assert self.data is not None
         key = (self.device, tuple(clients.tolist()))
-        if self._test_cache is not None and self._test_cache[0] == key:
-            return self._test_cache[1]
+        cache: dict[Any, Batch] = self._test_cache if self._test_cache is not None else {}
+        self._test_cache = cache
+        if key in cache:
+            return cache[key]
         offsets = self.data.test_offsets.cpu()
-        counts = (offsets[1:] - offsets[:-1])[clients]
+        counts = offsets[clients + 1] - offsets[clients]  # O(C), not O(K): one chunk of a streamed evaluation
         pos = torch.arange(self._test_width)
         mask = (pos.unsqueeze(0) < counts.unsqueeze(1)).to(torch.float32)
         idx = (offsets[clients].unsqueeze(1) + pos.unsqueeze(0)) * mask.long()
         batch = Batch(_rows(self.data.test_x, idx), _rows(self.data.test_y, idx), mask.to(self.device))
         size = sum(t.numel() * t.element_size() for t in batch)
-        self._test_cache = (key, batch) if size <= TEST_CACHE_BYTES else None
+        held = sum(t.numel() * t.element_size() for b in cache.values() for t in b)
+        if held + size <= TEST_CACHE_BYTES:
+            cache[key] = batch
         return batch
 
     def _rank_share(self, num: int) -> Tensor:
@@ -989,31 +1102,122 @@ class FederatedModule(LightningModule):
     def evaluate_clients(self, clients: Tensor, round_idx: int) -> dict[str, Tensor]:
         """Each listed client's personalised model scored on its test set, stacked over the clients:
         ``total`` (test samples), ``loss_sum``, ``builtin`` (``[C, B]`` sums of the built-in metrics, in
-        the order of ``metric.builtin``) and, with torchmetrics metrics, ``outputs``, ``targets``, ``mask``."""
+        the order of ``metric.builtin``) and, with torchmetrics metrics, ``outputs``, ``targets``, ``mask``.
+
+        The clients run in chunks of :meth:`_eval_chunk_size` (:meth:`_evaluate_chunk`); the validation and
+        test steps stream the chunks into the metric instead of stacking them (bounded memory for any K)."""
+        parts = [self._evaluate_chunk(part, round_idx) for part in self._eval_chunks(clients)]
+        if len(parts) == 1:
+            return parts[0]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    def _eval_chunk_size(self) -> int:
+        """Clients per evaluation chunk: ``client_chunk_size``, or ``max(clients per round, 100)`` when that is
+        ``None`` (training may run all sampled clients at once; evaluation touches many more, so it chunks)."""
+        return self.client_chunk_size or max(self.num_sampled, 100)
+
+    def _eval_chunks(self, clients: Tensor) -> list[Tensor]:
+        """``clients`` cut into consecutive chunks of :meth:`_eval_chunk_size` (the chunks ``run_clients`` forms
+        for the whole list, so a streamed evaluation vmaps exactly the same client sets: bit-identical)."""
+        size = self._eval_chunk_size()
+        return [clients[start:start + size] for start in range(0, clients.numel(), size)]
+
+    def _evaluate_chunk(self, clients: Tensor, round_idx: int) -> dict[str, Tensor]:
+        """:meth:`evaluate_clients` for one chunk: only this chunk's adaptation batches, test sets, client states,
+        records and running statistics are gathered (freed when the caller drops the result)."""
         assert self.data is not None
         params = self._global_params()
         adapt = self._batches("adapt", round_idx, clients, self.algorithm.eval_plan())
         test = self._test_batches(clients)
         states = self.client_states.gather(clients)
         seeds = self._loop_seeds("eval-dropout", round_idx, clients)
-        # evaluation touches every client: chunk it even when training runs all sampled clients at once
-        chunk = self.client_chunk_size or max(self.num_sampled, 100)  # None trains all at once; evaluation chunks
         self.compiler.enabled = self.compile_clients is True  # "auto" compiles training only (see __init__)
         self.compiler.new_call()
         with torch.inference_mode(False), torch.enable_grad():
             out = run_clients(
                 self._eval_fn, (params, self.server_state),
                 (adapt, test, states, self.records(clients), self._buffers_of(clients)),
-                clients.numel(), self.batching, chunk, seeds, label=f"{type(self.algorithm).__name__}.personalize",
+                clients.numel(), self.batching, self._eval_chunk_size(), seeds,
+                label=f"{type(self.algorithm).__name__}.personalize",
             )
         if "outputs" in out:
             out = {**out, "targets": test.y, "mask": test.mask}
         return out
 
+    def evaluation_clients(self, stage: str, sample_size: int | None = None) -> Tensor:
+        """The clients an evaluation scores, sorted: every client at ``test`` or without ``sample_size``
+        (``data.eval_clients``); at ``val`` with ``N = sample_size < K``, a fixed sample of ``N`` clients.
+
+        The sample is stratified proportionally over the two groups: ``N_new = round(N·|H|/K)`` of the held-out
+        clients ``H`` (at least 1 when ``H`` is not empty and ``N >= 2``, leaving at least one training client),
+        ``N_train = N − N_new`` of the training clients ``E`` (moved to the other group when a group is too small),
+        each the first of a permutation drawn by ``generator_for(seed, "eval-clients", "train" | "new")`` (the
+        module's ``seed``): a pure function of the seed, the same clients at every validation and on every rank
+        (:func:`~lightning_fedmeta.sampling.generator_for`)."""
+        assert self.data is not None
+        k = self.data.num_clients
+        if stage == "test" or sample_size is None or sample_size >= k:
+            return torch.arange(k)
+        eligible, holdout = self.eligible.cpu(), self.holdout.cpu()
+        n = int(sample_size)
+        n_new = math.floor(n * holdout.numel() / k + 0.5)
+        if holdout.numel() and n >= 2:
+            n_new = max(1, n_new)
+        if eligible.numel() and n >= 2:
+            n_new = min(n_new, n - 1)
+        n_new = min(n_new, holdout.numel())
+        n_train = min(n - n_new, eligible.numel())
+        n_new = n - n_train
+        picks = [
+            group[torch.randperm(group.numel(), generator=generator_for(self.seed, "eval-clients", tag))[:m]]
+            for group, tag, m in ((eligible, "train", n_train), (holdout, "new", n_new))
+        ]
+        return torch.cat(picks).sort().values
+
+    def _eval_sample_size(self) -> int | None:
+        """``data.eval_clients`` of the attached datamodule (``None``: every client at every evaluation)."""
+        if self._trainer is None:
+            return None
+        return getattr(getattr(self.trainer, "datamodule", None), "eval_clients", None)
+
+    def _log_eval_sample(self, evaluated: Tensor) -> None:
+        """Say once per module which clients the validations score (``data.eval_clients``)."""
+        if getattr(self, "_eval_sample_logged", False):
+            return
+        self._eval_sample_logged = True
+        n_new = int(self.is_holdout[evaluated].sum())
+        rank_zero_info(
+            f"[lightning_fedmeta] data.eval_clients={evaluated.numel()}: every validation scores the same "
+            f"{evaluated.numel()} of {self.is_holdout.numel()} clients ({evaluated.numel() - n_new} training, "
+            f"{n_new} held out; drawn once per group in proportion to its size from model.seed={self.seed}, tag "
+            "'eval-clients'); test scores every client"
+        )
+
     def accuracy_of(self, scores: dict[str, Tensor], key: str = "acc") -> Tensor:
         """Per-client values of built-in metric ``key`` from :meth:`evaluate_clients`' sums."""
         col = list(self.metric.builtin).index(key)
         return scores["builtin"][:, col] / scores["total"].clamp_min(1)
+
+    def _summary_groups(self, evaluated: Tensor | None) -> dict[str, Tensor]:
+        """The client groups summarised: training (``clients``), held out (``new``) and, under ``model.byzantine``,
+        honest training clients; restricted to ``evaluated`` (``None``: every client was evaluated)."""
+        groups = {"clients": self.eligible, "new": self.holdout}
+        if self.byzantine_clients.numel():  # model.byzantine: also the training clients that are honest
+            groups["honest"] = self.eligible[~torch.isin(self.eligible, self.byzantine_clients)]
+        if evaluated is None:
+            return groups
+        return {name: idx[torch.isin(idx, evaluated.to(idx.device))] for name, idx in groups.items()}
+
+    @staticmethod
+    def _blank_unevaluated(per_client: dict[str, Tensor], evaluated: Tensor | None) -> dict[str, Tensor]:
+        """Per-client values on the CPU with NaN for every metric of a client not evaluated (``total`` stays 0), so
+        the plots and summaries that drop NaN never read an unscored client as a zero."""
+        out = {k: v.cpu() for k, v in per_client.items()}
+        if evaluated is None:
+            return out
+        missing = torch.ones(out["total"].numel(), dtype=torch.bool)
+        missing[evaluated.cpu()] = False
+        return {k: v if k == "total" else v.masked_fill(missing, math.nan) for k, v in out.items()}
 
     def _evaluate(self, stage: str, log: bool = True) -> dict[str, dict[str, Tensor]]:
         self._on_device()
@@ -1022,21 +1226,23 @@ class FederatedModule(LightningModule):
         was_training = self.model.training  # type: ignore[union-attr]
         self.model.eval()  # type: ignore[union-attr]
         k = self.data.num_clients
-        clients = self._rank_share(k)
+        evaluated = self.evaluation_clients(stage, self._eval_sample_size())
+        sampled = evaluated.numel() < k
+        if sampled:
+            self._log_eval_sample(evaluated)
+        clients = evaluated[self._rank_share(evaluated.numel())]
         self.metric = self.metric.to(self.device)
         self.metric.reset()
-        if clients.numel():
-            scores = self.evaluate_clients(clients, r)
-            self.metric.update(clients, scores)
+        for part in self._eval_chunks(clients):  # streamed: one chunk's batches, states and outputs at a time
+            scores = self._evaluate_chunk(part, r)
+            self.metric.update(part, scores)
             if "outputs" in scores:
-                self.metric.update_outputs(clients, scores["outputs"], scores["targets"], scores["mask"])
+                self.metric.update_outputs(part, scores["outputs"], scores["targets"], scores["mask"])
+            del scores
         self.model.train(was_training)  # type: ignore[union-attr]
         world = self.trainer.world_size if self._trainer is not None else 1
         self.metric.sync(clients, None if world == 1 else lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
-        groups = {"clients": self.eligible, "new": self.holdout}
-        if self.byzantine_clients.numel():  # model.byzantine: also the training clients that are honest
-            groups["honest"] = self.eligible[~torch.isin(self.eligible, self.byzantine_clients)]
-        summary = self.metric.summaries(groups)
+        summary = self.metric.summaries(self._summary_groups(evaluated if sampled else None))
         for group, values in summary.items():
             if group.startswith("_") or not log:
                 continue
@@ -1044,9 +1250,12 @@ class FederatedModule(LightningModule):
             for name, v in values.items():
                 bar = group == "clients" and name == f"{self.primary_metric}_weighted"
                 self.log(prefix + name, v.float(), prog_bar=bar, batch_size=1, sync_dist=False)
+        if sampled and log:
+            self.log(f"{stage}/evaluated_clients", float(evaluated.numel()), batch_size=1, sync_dist=False)
         self.last_summary = summary
         self.last_summary_round = r
-        self.last_per_client = {k: v.cpu() for k, v in summary["_per_client"].items()}
+        self.last_evaluated = evaluated
+        self.last_per_client = self._blank_unevaluated(summary["_per_client"], evaluated if sampled else None)
         return summary
 
     @property
@@ -1088,13 +1297,20 @@ class FederatedModule(LightningModule):
         """Load saved per-client metric states and the summaries they give (as after that evaluation)."""
         self.metric.load_state_dict(state)
         if float(self.metric.total.sum()) > 0:
-            summary = self.metric.summaries({"clients": self.eligible, "new": self.holdout})
+            scored = (self.metric.total.cpu() > 0).nonzero().flatten()  # a data.eval_clients sample: those only
+            evaluated = None if scored.numel() == self.metric.total.numel() else scored
+            groups = {"clients": self.eligible, "new": self.holdout}
+            if evaluated is not None:
+                groups = {name: idx[torch.isin(idx, evaluated)] for name, idx in groups.items()}
+            summary = self.metric.summaries(groups)
             self.last_summary = summary
-            self.last_per_client = {k: v.cpu() for k, v in summary["_per_client"].items()}
+            self.last_evaluated = scored
+            self.last_per_client = self._blank_unevaluated(summary["_per_client"], evaluated)
 
     def write_per_client_csv(self, directory: str) -> str:
         """Write ``test_per_client.csv`` (client, index, held_out, n_test, one column per metric, loss) into
-        ``directory``."""
+        ``directory``: one row per client the last evaluation scored (every client after ``test``; the
+        ``data.eval_clients`` sample after a sampled validation)."""
         import csv
         import os
 
@@ -1106,9 +1322,12 @@ class FederatedModule(LightningModule):
             writer = csv.writer(fh)
             keys = list(self.metric_directions)  # the metrics, then the loss
             writer.writerow(["client", "index", "held_out", "n_test", *keys])
-            for i, name in enumerate(self.data.client_names):
+            evaluated = self.last_evaluated
+            rows = range(len(self.data.client_names)) if evaluated is None else evaluated.tolist()
+            for i in rows:
                 writer.writerow([
-                    name, i, int(self.is_holdout[i]), int(pc["total"][i]), *(f"{float(pc[k][i]):.6f}" for k in keys),
+                    self.data.client_names[i], i, int(self.is_holdout[i]), int(pc["total"][i]),
+                    *(f"{float(pc[k][i]):.6f}" for k in keys),
                 ])
         return path
 
@@ -1203,7 +1422,8 @@ class FederatedModule(LightningModule):
     # ------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fedmeta"] = {
-            "client_state": self.client_states.state_dict(),
+            # a disk store writes the rows changed since its last checkpoint as a segment and returns a manifest
+            "client_state": self.client_states.checkpoint_state(int(self.global_step)),
             "client_buffers": self.client_buffers.state_dict(),
             "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
             "data_spec": self._data_spec,
@@ -1251,7 +1471,7 @@ class FederatedModule(LightningModule):
                 "[lightning_fedmeta] settings changed since the checkpoint (allowed): "
                 + "; ".join(d.describe() for d in changed)
             )
-        self.client_states.load_state_dict(saved["client_state"])
+        self._restore_client_states(saved["client_state"])
         self.client_buffers.load_state_dict(saved.get("client_buffers") or {})
         self._placed_on = None
         self._test_cache = None

@@ -74,9 +74,10 @@ def draw_batch_indices(
     n_batches = steps * per_step
     index = torch.zeros(clients.numel(), n_batches, width, dtype=torch.long)
     mask = torch.zeros(clients.numel(), n_batches, width, dtype=torch.float32)
-    offsets_list = offsets.tolist()
-    for row, c in enumerate(clients.tolist()):
-        start, n = offsets_list[c], offsets_list[c + 1] - offsets_list[c]
+    idx = clients.long()
+    starts, ends = offsets[idx].tolist(), offsets[idx + 1].tolist()  # O(clients), not O(K): no list of all offsets
+    for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
+        n = end - start
         take = min(n, width)
         if n_batches == 0:
             continue

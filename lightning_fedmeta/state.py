@@ -101,3 +101,11 @@ class ClientStateStore:
 
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in flatten_state(self.tensors).values())
+
+    def resident_bytes(self) -> int:
+        """Process memory the store holds: all of it (:meth:`nbytes`); see the disk-backed store for large K."""
+        return self.nbytes()
+
+    def checkpoint_state(self, tag: int = 0) -> dict[str, Tensor]:
+        """What a checkpoint holds: :meth:`state_dict` (``tag``, the round, is for the disk-backed store)."""
+        return self.state_dict()

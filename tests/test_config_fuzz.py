@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +147,10 @@ MODULE_OPTIONS: dict[str, Option] = {
     "client_batching": Option(st.sampled_from(["auto", "vmap", "loop"]), text_not_in(["auto", "vmap", "loop"])),
     "client_chunk_size": optional(int_at_least(1, 200)),
     "compile_clients": Option(st.sampled_from([False, "auto"]), text_not_in(["auto"])),
+    "client_state": Option(st.sampled_from(["auto", "memory", "disk"]), text_not_in(["auto", "memory", "disk"])),
+    "client_state_dir": Option(st.none() | st.just(os.path.join(tempfile.gettempdir(), "fedmeta_fuzz_client_state")),
+                               st.just("/dev/null/client_state") | st.just("/proc/version"),
+                               base={"client_state": "disk"}),
     "holdout_clients": Option(st.integers(0, 2) | between(0.0, 0.4),
                               st.integers(max_value=-1) | st.integers(K, 40) | below(0.0) | above(1.0, True) | NAN),
     "seed": Option(st.integers(-(2**40), 2**40), None, "any integer is a seed (sampling hashes it)"),
@@ -204,6 +210,8 @@ DATA_OPTIONS: dict[str, Option] = {
     "synthetic_beta": Option(between(0.0, 2.0), below(0.0) | NAN | st.just(math.inf)),
     "eval_every": Option(st.integers(1, 100), st.integers(max_value=0)),
     "data_seed": Option(st.integers(0, 2**32 - 1), st.integers(max_value=-1)),
+    "validation_fraction": Option(st.just(0.0) | between(0.05, 0.5), below(0.0) | above(1.0, True) | NAN),
+    "eval_clients": optional(int_at_least(1, 10)),
 }
 
 COMMON_OPTIONS: dict[str, Option] = {

@@ -60,6 +60,8 @@ OTHER_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "client_batching": ("loop", {}),
     "client_chunk_size": (2, {}),
     "compile_clients": (False, {}),
+    "client_state": ("disk", {}),
+    "client_state_dir": ("client_state_elsewhere", {}),
     "holdout_clients": (1, {}),
     "seed": (5, {}),
     "loss": ("nll", {}),
@@ -80,8 +82,10 @@ def test_the_table_covers_every_module_option() -> None:
     options = set(inspect.signature(FederatedModule.__init__).parameters) - {"self"}
     missing = sorted(options - set(OTHER_VALUES) - NOT_HYPER_PARAMETERS)
     assert not missing, f"give OTHER_VALUES a valid other value of the new option(s) {missing}"
-    assert set(CHANGEABLE_MODEL_SETTINGS) == {"client_batching", "client_chunk_size", "compile_clients"}
-    assert set(CHANGEABLE_DATA_SETTINGS) == {"root", "download", "eval_every"}
+    assert set(CHANGEABLE_MODEL_SETTINGS) == {
+        "client_batching", "client_chunk_size", "compile_clients", "client_state", "client_state_dir",
+    }
+    assert set(CHANGEABLE_DATA_SETTINGS) == {"root", "download", "eval_every", "eval_clients"}
 
 
 @pytest.mark.parametrize("option", sorted(OTHER_VALUES))

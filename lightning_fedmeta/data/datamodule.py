@@ -45,6 +45,7 @@ from lightning_fedmeta.data.partition import (
     shards,
 )
 from lightning_fedmeta.data.synthetic import make_synthetic
+from lightning_fedmeta.data.synthetic_scale import make_synthetic_scale
 from lightning_fedmeta.data.synthetic_tasks import (
     make_synthetic_multilabel,
     make_synthetic_next_token,
@@ -63,12 +64,13 @@ __all__ = [
 
 #: Embedded synthetic benchmarks, one per task kind (made in code from ``data_seed``).
 SYNTHETIC_DATASETS: tuple[str, ...] = (
-    "synthetic", "synthetic_regression", "synthetic_multilabel", "synthetic_next_token",
+    "synthetic", "synthetic_regression", "synthetic_multilabel", "synthetic_next_token", "synthetic_scale",
 )
 DATASET_NAMES: tuple[str, ...] = (*SYNTHETIC_DATASETS, *IMAGE_DATASETS)
 PARTITION_NAMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "perfedavg_paper")
 _NUM_CLASSES: dict[str, int | None] = {
-    "synthetic": 10, "synthetic_regression": None, "synthetic_multilabel": 10, "synthetic_next_token": 16,
+    "synthetic": 10, "synthetic_scale": 10, "synthetic_regression": None, "synthetic_multilabel": 10,
+    "synthetic_next_token": 16,
     "fashion_mnist": 10, "mnist": 10, "cifar10": 10,
 }
 
@@ -138,6 +140,8 @@ class FederatedDataModule(L.LightningDataModule):
             ``"synthetic_regression"`` (the same inputs, scalar linear targets),
             ``"synthetic_multilabel"`` (10 thresholded linear labels), ``"synthetic_next_token"``
             (per-client Markov chains over 16 tokens, 20-token windows with next-token targets),
+            ``"synthetic_scale"`` (Synthetic(alpha, beta) with power-law client sizes, generated in chunks for
+            10^5 clients and more: :mod:`~lightning_fedmeta.data.synthetic_scale`),
             ``"fashion_mnist"``, ``"mnist"``, ``"cifar10"``, or an object following the
             :class:`FederatedDataset` protocol (``num_classes`` and ``client_data()``; e.g.
             :class:`~lightning_fedmeta.data.leaf.LeafDataset` for LEAF JSON files, or
@@ -312,6 +316,10 @@ class FederatedDataModule(L.LightningDataModule):
             return from_client_tensors(self.dataset.client_data(), self.dataset.num_classes, names, task)
         if self.dataset == "synthetic":
             return make_synthetic(
+                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
+            )
+        if self.dataset == "synthetic_scale":
+            return make_synthetic_scale(
                 self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
             )
         if self.dataset == "synthetic_regression":
