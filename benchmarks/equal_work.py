@@ -27,12 +27,16 @@ aggregation, 5 users held out as new clients, 1000 rounds, seeds 0, 1, 2):
 its main rate or strength). Every candidate runs ``SWEEP_ROUNDS`` = 300 rounds on seed 0 with
 ``data.validation_fraction: 0.2`` (each client's training data split 80/20 by
 ``lightning_fedmeta/data/validation_split.py``; the run evaluates on the 20 % and never reads the test
-set) and is scored by its final-round sample-weighted validation accuracy. The best candidate
-(ties: the first listed) becomes the committed config ``configs/paper/equal_work/<entry>.yaml``,
+set) and is scored by its final-round sample-weighted validation accuracy. A sweep whose best value is
+its largest (smallest) is extended by the next value on :data:`LADDER` (…, 0.03, 0.1, 0.3, 1, …), at most
+:data:`MAX_EXTENSIONS` = 2 times and not past a diverged value, so a winner at the edge of a too-narrow
+sweep gets its chance. The best candidate (ties: the smaller value) becomes the committed config
+``configs/paper/equal_work/<entry>.yaml``,
 whose header lists every candidate's score; the final runs train that config on the full training
-data for 1000 rounds with seeds 0, 1, 2 and report test accuracy. The short sweep is a budget
-choice (300 of 1000 rounds) and can favour faster rates; the report says where a winner is at the
-edge of its sweep.
+data for 1000 rounds with seeds 0, 1, 2 and report test accuracy (finals are keyed by the config
+without its comment lines, so an extended sweep with the same winner keeps its finals). The short
+sweep is a budget choice (300 of 1000 rounds) and can favour faster rates; the report says where a
+winner is still at the edge of its sweep.
 
 Records (one JSON line per finished run, written the moment it finishes) go to
 ``benchmarks/results/equal_work/sweep_<dataset>.jsonl`` and ``final_<dataset>.jsonl``; a re-run
@@ -275,6 +279,7 @@ def _run(config_text: str, config_file: Path, seed: int, rounds: int, out_dir: P
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     rec: dict[str, Any] = {**extra, "seed": seed, "rounds": rounds, "config_sha256": _sha256(config_text),
+                           "config_body_sha256": body_sha256(config_text),
                            "threads": threads, "command": "fedmeta " + " ".join(cmd[3:]), "git_commit": _git_commit()}
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
@@ -293,27 +298,84 @@ def _run(config_text: str, config_file: Path, seed: int, rounds: int, out_dir: P
     return rec
 
 
-def _ok(records: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
-    return {(r.get("entry"), r.get("config_sha256"), r.get("seed"), r.get("rounds")): r
-            for r in records if "error" not in r}
+def _ok(records: list[dict[str, Any]], key: str = "config_sha256") -> dict[tuple[Any, ...], dict[str, Any]]:
+    return {(r.get("entry"), r.get(key), r.get("seed"), r.get("rounds")): r for r in records if "error" not in r}
+
+
+def body_sha256(text: str) -> str:
+    """The hash of a config without its comment lines: a winner config's header (the sweep's scores) may grow
+    when the sweep is extended, but the runs it defines are the same as long as the YAML is."""
+    return _sha256("\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
 
 
 #: the score of a sweep candidate whose run stopped on a non-finite loss or update (a result, not a failure)
 DIVERGED = -math.inf
 
 
+#: rates and strengths the sweeps take their values from; an extension goes to the next value on it
+LADDER: tuple[float, ...] = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+#: at most this many values are added to a sweep whose best value is at its edge
+MAX_EXTENSIONS = 2
+
+
+def _next_value(values: list[float], up: bool) -> float:
+    """The value after the largest (``up``) or before the smallest of ``values``: its neighbour on
+    :data:`LADDER` when every value is on it, else the sweep's own outer ratio (2 significant digits)."""
+    ordered = sorted(values)
+    if all(v in LADDER for v in ordered):
+        i = LADDER.index(ordered[-1] if up else ordered[0]) + (1 if up else -1)
+        if 0 <= i < len(LADDER):
+            return LADDER[i]
+    ratio = ordered[-1] / ordered[-2] if up else ordered[1] / ordered[0]
+    v = ordered[-1] * ratio if up else ordered[0] / ratio
+    return float(f"{v:.2g}")
+
+
+def extend(candidates: list[dict[str, Any]], up: bool) -> dict[str, Any]:
+    """One more candidate beyond the edge: the swept key (the first) takes :func:`_next_value`, and the
+    keys tied to it (the same value in every candidate, e.g. the fine-tune rate) follow it."""
+    main = next(iter(candidates[0]))
+    values = [c[main] for c in candidates]
+    v = _next_value(values, up)
+    tied = [k for k in candidates[0] if all(c[k] == c[main] for c in candidates)]
+    return {k: (v if k in tied else candidates[0][k]) for k in candidates[0]}
+
+
+def _score_of(entry: Entry, c: dict[str, Any], ok: dict[tuple[Any, ...], dict[str, Any]],
+              diverged: set[tuple[Any, ...]]) -> float | None:
+    key = (entry.key, _sha256(candidate_config(entry, c)), SWEEP_SEED, SWEEP_ROUNDS)
+    r = ok.get(key)
+    return r.get("acc_weighted") if r is not None else (DIVERGED if key in diverged else None)
+
+
 def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float | None]]:
     """Each candidate with its final-round validation accuracy: ``None`` until it has a successful run,
-    :data:`DIVERGED` when its run stopped on a non-finite loss or update (the loop's divergence check)."""
+    :data:`DIVERGED` when its run stopped on a non-finite loss or update (the loop's divergence check).
+
+    The candidates are the entry's sweep, extended while its best value is at an edge: when every score is in
+    and the winner is the largest (smallest) value, the next value beyond it (:func:`extend`) joins the sweep,
+    at most :data:`MAX_EXTENSIONS` times, and not past a value that diverged. The candidates stay in
+    ascending order of the swept value."""
     ok = _ok(sweep_records)
     diverged = {(r.get("entry"), r.get("config_sha256"), r.get("seed"), r.get("rounds"))
                 for r in sweep_records if "non-finite" in str(r.get("error", ""))}
-    out = []
-    for c in entry.sweep:
-        key = (entry.key, _sha256(candidate_config(entry, c)), SWEEP_SEED, SWEEP_ROUNDS)
-        r = ok.get(key)
-        out.append((c, r.get("acc_weighted") if r is not None else (DIVERGED if key in diverged else None)))
-    return out
+    cands = sorted(entry.sweep, key=lambda c: c[next(iter(c))])
+    for _ in range(MAX_EXTENSIONS + 1):
+        scores = [(c, _score_of(entry, c, ok, diverged)) for c in cands]
+        winner = pick_winner(scores)
+        if winner is None:
+            return scores
+        i = cands.index(winner)
+        added = len(cands) - len(entry.sweep)
+        if added >= MAX_EXTENSIONS or len(cands) < 2:
+            return scores
+        if i == len(cands) - 1 and scores[-1][1] != DIVERGED:
+            cands = [*cands, extend(cands, up=True)]
+        elif i == 0 and scores[0][1] != DIVERGED:
+            cands = [extend(cands, up=False), *cands]
+        else:
+            return scores
+    return scores
 
 
 def pick_winner(scores: list[tuple[dict[str, Any], float | None]]) -> dict[str, Any] | None:
@@ -396,13 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     def pending() -> list[tuple[str, Entry, dict[str, Any] | None, int]]:
         """Runs still to do: sweep candidates, then the finals of entries whose sweep is complete."""
         sweep, final = read_records(sweep_path), read_records(final_path)
-        ok_f = _ok(final)
+        ok_f = _ok(final, "config_body_sha256")
         todo: list[tuple[str, Entry, dict[str, Any] | None, int]] = []
         for e in entries:
             text = _winner_text(e, sweep)
             if text is not None:
                 todo += [("final", e, None, s) for s in args.seeds
-                         if (e.key, _sha256(text), s, ROUNDS) not in ok_f]
+                         if (e.key, body_sha256(text), s, ROUNDS) not in ok_f]
         for e in entries:  # a candidate that diverged has its result; one that failed otherwise is retried
             todo += [("sweep", e, c, SWEEP_SEED) for c, score in sweep_scores(e, sweep) if score is None]
         return todo
@@ -467,13 +529,14 @@ def main(argv: list[str] | None = None) -> int:
 def summarise(entries: list[Entry], sweep: list[dict[str, Any]], final: list[dict[str, Any]],
               seeds: list[int]) -> list[dict[str, Any]]:
     """One row per entry: its sweep, winner, and final-run mean ± sample std over the finished seeds."""
-    ok_f = _ok(final)
+    ok_f = _ok(final, "config_body_sha256")
     rows = []
     for e in entries:
         scores = sweep_scores(e, sweep)
         winner = pick_winner(scores)
         text = None if winner is None else final_config(e, winner, scores)
-        runs = [] if text is None else [ok_f[k] for s in seeds if (k := (e.key, _sha256(text), s, ROUNDS)) in ok_f]
+        runs = [] if text is None else [ok_f[k] for s in seeds
+                                        if (k := (e.key, body_sha256(text), s, ROUNDS)) in ok_f]
         row: dict[str, Any] = {"entry": e.key, "label": e.label, "cell": e.cell, "evaluation": e.evaluation,
                                "work": entry_work(e) if e.key != "mocha_linear" else None,
                                "scores": scores, "winner": winner, "seeds_done": len(runs), "seeds_asked": len(seeds),

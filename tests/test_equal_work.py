@@ -78,19 +78,20 @@ def test_scores_read_the_records_of_the_current_configs_only_and_mark_divergence
 
 def _final(entry_key, text, seed, acc):
     return {"stage": "final", "entry": entry_key, "seed": seed, "rounds": 1000, "config_sha256": ew._sha256(text),
+            "config_body_sha256": ew.body_sha256(text),
             "acc_weighted": acc, "acc_worst10": acc - 0.2, "new_acc_weighted": acc - 0.1, "best_acc_weighted": acc,
             "wall_s": 10.0}
 
 
 def test_summary_means_and_paired_differences_against_equal_work_fedavg() -> None:
     fed, dit = ew.ENTRIES["fedavg_ft_w16"], ew.ENTRIES["ditto_w16"]
-    sweep = [_sweep_record(e, c, 0.5 + 0.1 * i) for e in (fed, dit) for i, c in enumerate(e.sweep)]
-    texts = {e.key: ew.final_config(e, e.sweep[-1], ew.sweep_scores(e, sweep)) for e in (fed, dit)}
+    sweep = [_sweep_record(e, c, [0.5, 0.7, 0.6][i]) for e in (fed, dit) for i, c in enumerate(e.sweep)]
+    texts = {e.key: ew.final_config(e, e.sweep[1], ew.sweep_scores(e, sweep)) for e in (fed, dit)}
     fin = [_final("fedavg_ft_w16", texts["fedavg_ft_w16"], s, a) for s, a in [(0, 0.90), (1, 0.92), (2, 0.91)]]
     fin += [_final("ditto_w16", texts["ditto_w16"], s, a) for s, a in [(0, 0.93), (1, 0.93), (2, 0.96)]]
     rows = ew.summarise([fed, dit], sweep, fin, [0, 1, 2])
     r = {x["entry"]: x for x in rows}
-    assert r["ditto_w16"]["winner"] == dit.sweep[-1] and r["ditto_w16"]["winner_at_edge"]
+    assert r["ditto_w16"]["winner"] == dit.sweep[1] and not r["ditto_w16"]["winner_at_edge"]
     assert r["ditto_w16"]["acc_weighted_mean"] == pytest.approx(0.94)
     assert r["ditto_w16"]["acc_weighted_std"] == pytest.approx(math.sqrt(0.0003))
     mean, std, n = ew.paired_against(rows, "fedavg_ft_w16")["ditto_w16"]
@@ -108,3 +109,47 @@ def test_committed_winner_configs_follow_from_the_committed_sweep_records() -> N
     for p in committed:
         entry = ew.ENTRIES[p.stem]
         assert ew._winner_text(entry, records) == p.read_text(), p.name
+
+
+def test_a_sweep_whose_best_value_is_at_its_edge_is_extended_on_the_ladder_then_stops() -> None:
+    e = ew.ENTRIES["fedavg_ft_w16"]  # local_lr and the tied finetune_lr: 0.01, 0.03, 0.1
+    recs = [_sweep_record(e, c, acc) for c, acc in zip(e.sweep, [0.90, 0.91, 0.92], strict=True)]
+    scores = ew.sweep_scores(e, recs)
+    up = {"algorithm.local_lr": 0.3, "algorithm.finetune_lr": 0.3}
+    assert [c for c, _ in scores] == [*e.sweep, up] and scores[-1][1] is None  # 0.1 won at the edge: try 0.3
+    assert ew.pick_winner(scores) is None  # no winner until the extension has run
+    recs.append(_sweep_record(e, up, 0.93))  # 0.3 wins again: try 1.0, then stop (MAX_EXTENSIONS = 2)
+    up2 = {"algorithm.local_lr": 1.0, "algorithm.finetune_lr": 1.0}
+    assert [c for c, _ in ew.sweep_scores(e, recs)][-1] == up2
+    recs.append(_sweep_record(e, up2, 0.94))
+    scores = ew.sweep_scores(e, recs)
+    assert len(scores) == 5 and ew.pick_winner(scores) == up2
+    row = ew.summarise([e], recs, [], [0])[0]
+    assert row["winner_at_edge"]  # still at the edge after the last extension: the report says so
+
+
+def test_an_extension_that_diverges_or_loses_ends_the_sweep_with_an_interior_winner() -> None:
+    e = ew.ENTRIES["fedmaml_w16"]  # server_lr 0.1, 0.3, 1.0
+    recs = [_sweep_record(e, c, acc) for c, acc in zip(e.sweep, [0.90, 0.87, None], strict=True)]
+    recs[2] = _sweep_record(e, e.sweep[2], error="FloatingPointError: round 11: non-finite loss")
+    scores = ew.sweep_scores(e, recs)
+    down = {"model.server_lr": 0.03}  # 0.1 won at the lower edge
+    assert [c for c, _ in scores] == [down, *e.sweep]
+    recs.append(_sweep_record(e, down, 0.85))
+    scores = ew.sweep_scores(e, recs)
+    assert len(scores) == 4 and ew.pick_winner(scores) == e.sweep[0]
+
+
+def test_the_next_value_follows_the_ladder_or_the_sweeps_own_ratio() -> None:
+    assert ew._next_value([0.01, 0.03, 0.1], up=True) == 0.3
+    assert ew._next_value([0.01, 0.03, 0.1], up=False) == 0.003
+    assert ew._next_value([0.005, 0.02, 0.05], up=True) == 0.12  # off the ladder: ratio 2.5, 2 digits
+    assert ew._next_value([0.005, 0.02, 0.05], up=False) == 0.0013  # ratio 4
+
+
+def test_finals_are_keyed_by_the_config_without_its_comments() -> None:
+    e = ew.ENTRIES["ditto_w16"]
+    a = ew.final_config(e, e.sweep[1], [(c, 0.5) for c in e.sweep])
+    b = ew.final_config(e, e.sweep[1], [(c, 0.6) for c in e.sweep] + [({"algorithm.local_lr": 0.3}, 0.1)])
+    assert a != b and ew.body_sha256(a) == ew.body_sha256(b)
+    assert ew.body_sha256(a) != ew.body_sha256(ew.final_config(e, e.sweep[2], []))
