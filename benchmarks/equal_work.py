@@ -439,11 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep = read_records(sweep_path)
         for e in entries:
             text = _winner_text(e, sweep)
-            if text is not None:
-                p = REPO / WINNER_DIR / f"{e.key}.yaml"
+            p = REPO / WINNER_DIR / f"{e.key}.yaml"
+            if text is None:  # no winner (yet): an extended sweep is running, so an older winner is withdrawn
+                p.unlink(missing_ok=True)
+            elif not p.exists() or p.read_text() != text:
                 p.parent.mkdir(parents=True, exist_ok=True)
-                if not p.exists() or p.read_text() != text:
-                    p.write_text(text)
+                p.write_text(text)
 
     def report() -> None:
         write_winners()
