@@ -106,9 +106,10 @@ def test_committed_winner_configs_follow_from_the_committed_sweep_records() -> N
     if not committed:
         pytest.skip("no sweep winner committed yet")
     records = ew.read_records(sweep_path)
+    finals = ew.read_records(REPO / ew.RESULTS / "final_fashion_mnist.jsonl")
     for p in committed:
         entry = ew.ENTRIES[p.stem]
-        assert ew._winner_text(entry, records) == p.read_text(), p.name
+        assert ew._winner_text(entry, records, finals) == p.read_text(), p.name
 
 
 def test_a_sweep_whose_best_value_is_at_its_edge_is_extended_on_the_ladder_then_stops() -> None:
@@ -153,3 +154,17 @@ def test_finals_are_keyed_by_the_config_without_its_comments() -> None:
     b = ew.final_config(e, e.sweep[1], [(c, 0.6) for c in e.sweep] + [({"algorithm.local_lr": 0.3}, 0.1)])
     assert a != b and ew.body_sha256(a) == ew.body_sha256(b)
     assert ew.body_sha256(a) != ew.body_sha256(ew.final_config(e, e.sweep[2], []))
+
+
+def test_a_winner_whose_final_run_diverges_is_withdrawn_for_the_next_best_by_validation() -> None:
+    e = ew.ENTRIES["fedavg_tuned_tau4_alpha0.001"]  # local_lr 0.003, 0.01, 0.03, 0.1
+    recs = [_sweep_record(e, c, acc) for c, acc in zip(e.sweep, [0.78, 0.83, 0.85, 0.84], strict=True)]
+    winner, scores, withdrawn = ew.choose(e, recs, [])
+    assert winner == e.sweep[2] and withdrawn == []
+    text = ew.final_config(e, winner, scores)
+    boom = {**_final(e.key, text, 1, 0.0), "error": "FloatingPointError: round 13: non-finite loss"}
+    other_error = {**_final(e.key, text, 2, 0.0), "error": "RuntimeError: killed"}  # not a divergence: retried
+    assert ew.choose(e, recs, [other_error])[0] == e.sweep[2]
+    winner, scores, withdrawn = ew.choose(e, recs, [boom, other_error])
+    assert winner == e.sweep[3] and withdrawn == [(e.sweep[2], [1])]  # 0.1 is next best (0.84 > 0.83)
+    assert "withdrawn: its final run diverged with seed(s) [1]" in ew.final_config(e, winner, scores, withdrawn)
