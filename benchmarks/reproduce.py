@@ -80,6 +80,7 @@ __all__ = [
     "render_config",
     "run_one",
     "summarise",
+    "tuned_rows",
     "write_configs",
     "write_report",
 ]
@@ -360,6 +361,29 @@ def summarise(records: list[dict[str, Any]], rounds: int, seeds: list[int], data
     return rows
 
 
+def tuned_rows(seeds: list[int], rounds: int, dataset: str) -> list[dict[str, Any]]:
+    """The grid's second baseline, FedAvg at a validation-tuned local rate + 1 fine-tune step at α, one row per
+    cell in :func:`summarise`'s format, read from ``benchmarks/equal_work.py``'s records (which tune and run it:
+    Fashion-MNIST, 1000 rounds; no rows for another dataset or length)."""
+    if dataset != "fashion_mnist" or rounds != ROUNDS:
+        return []
+    import equal_work as ew  # a sibling script (this directory is on sys.path); it imports this module
+
+    entries = [e for e in ew.ENTRIES.values() if e.cell is not None]
+    sweep = read_records(REPO / ew.RESULTS / "sweep_fashion_mnist.jsonl")
+    final = read_records(REPO / ew.RESULTS / "final_fashion_mnist.jsonl")
+    rows = []
+    for r in ew.summarise(entries, sweep, final, seeds):
+        t, a = r["cell"]
+        row = {k: r[k] for k in r if k.endswith(("_mean", "_std"))}
+        row.update(method="fedavg_tuned", label="FedAvg (tuned rate) + 1 fine-tune step", tau=t, alpha=a,
+                   seeds_done=r["seeds_done"], seeds_asked=r["seeds_asked"], runs=r["runs"],
+                   best_rounds=[x["best_round"] for x in r["runs"]], grad_evals_per_client_round=t,
+                   published_mnist=None, tuned_rate=None if r["winner"] is None else r["winner"]["algorithm.local_lr"])
+        rows.append(row)
+    return rows
+
+
 def _pp(v: float | None) -> str:
     """``v`` (a fraction) in percent, ``n/a`` when absent."""
     return "n/a" if v is None else f"{100 * v:.2f}%"
@@ -452,7 +476,9 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path, datas
         f"{NUM_CLIENTS - HOLDOUT} training clients; *worst 10%*: mean of the worst decile of them; *new*: "
         f"sample-weighted mean over the {HOLDOUT} held-out clients; *best round*: the best evaluated round's "
         "weighted accuracy (secondary: picking it looks at test data); *published*: the re-implementation's "
-        "MNIST numbers quoted in issue 14 (a different dataset unless this table is MNIST).",
+        "MNIST numbers quoted in issue 14 (a different dataset unless this table is MNIST). *FedAvg (tuned "
+        "rate)*: τ local steps at the local rate chosen on validation data (never test data) by "
+        "`benchmarks/equal_work.py`, whose report `equal_work.md` has the sweep and the paired margins.",
         "",
         "| method | τ | α | seeds | acc (weighted) | worst 10% | new clients | best round (secondary) "
         "| grad evals / client / round | wall s / run | published (MNIST) |",
@@ -464,8 +490,9 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path, datas
             best += f" @ {', '.join(map(str, r['best_rounds']))}"
         wall = "missing" if r["wall_s_mean"] is None else f"{r['wall_s_mean']:.0f}"
         pub = "—" if r["published_mnist"] is None else f"{r['published_mnist']:.2f}"
+        label = r["label"] + (f" (local rate {r['tuned_rate']:g})" if r.get("tuned_rate") is not None else "")
         lines.append(
-            f"| {r['label']} | {r['tau']} | {r['alpha']:g} | {r['seeds_done']}/{r['seeds_asked']} "
+            f"| {label} | {r['tau']} | {r['alpha']:g} | {r['seeds_done']}/{r['seeds_asked']} "
             f"| {_pct(r['acc_weighted_mean'], r['acc_weighted_std'])} "
             f"| {_pct(r['acc_worst10_mean'], r['acc_worst10_std'])} "
             f"| {_pct(r['new_acc_weighted_mean'], r['new_acc_weighted_std'])} | {best} "
@@ -496,12 +523,14 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path, dataset: str, rounds: int)
 
     cells = [(t, a) for t in TAUS for a in ALPHAS]
     by = {(r["method"], r["tau"], r["alpha"]): r for r in rows}
-    colors = dict(zip(METHODS, ["C0", "C1", "C2", "C3"], strict=True))
+    labels_of = {r["method"]: r["label"] for r in rows}
+    methods = list(labels_of)  # the grid's methods, then the tuned baseline's rows when present
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
     paths = []
 
     fig, axes = plt.subplots(len(TAUS), len(ALPHAS), figsize=(11, 8), sharey=True, squeeze=False)
     for ax, (t, a) in zip(axes.flat, cells, strict=True):
-        for m in METHODS:
+        for m in methods:
             row = by.get((m, t, a))
             curves = [r["curve"] for r in (row or {}).get("runs", []) if r.get("curve")]
             if not curves:
@@ -511,7 +540,7 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path, dataset: str, rounds: int)
             ys = np.array([[100 * (x[1] if x[1] is not None else np.nan) for x in c] for c in curves])
             mean = np.nanmean(ys, axis=0)
             n = len(curves)
-            ax.plot(rounds_axis, mean, color=colors[m], label=f"{METHODS[m][0]} ({n} seed{'' if n == 1 else 's'})")
+            ax.plot(rounds_axis, mean, color=colors[m], label=f"{labels_of[m]} ({n} seed{'' if n == 1 else 's'})")
             if len(curves) > 1:
                 lo, hi = np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
                 ax.fill_between(rounds_axis, lo, hi, color=colors[m], alpha=0.2)
@@ -530,8 +559,8 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path, dataset: str, rounds: int)
     plt.close(fig)
     paths.append(p)
 
-    fig, axes = plt.subplots(1, len(METHODS), figsize=(4 * len(METHODS), 3.6), squeeze=False)
-    for ax, m in zip(axes.flat, METHODS, strict=True):
+    fig, axes = plt.subplots(1, len(methods), figsize=(4 * len(methods), 3.6), squeeze=False)
+    for ax, m in zip(axes.flat, methods, strict=True):
         grid_vals = np.full((len(TAUS), len(ALPHAS)), np.nan)
         for i, t in enumerate(TAUS):
             for j, a in enumerate(ALPHAS):
@@ -546,7 +575,7 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path, dataset: str, rounds: int)
                         color="black" if np.isnan(v) or v > 60 else "white")
         ax.set_xticks(range(len(ALPHAS)), [f"α={a:g}" for a in ALPHAS])
         ax.set_yticks(range(len(TAUS)), [f"τ={t}" for t in TAUS])
-        ax.set_title(METHODS[m][0], fontsize=9)
+        ax.set_title(labels_of[m], fontsize=9)
     fig.suptitle(f"{dataset}: final-round weighted accuracy (%), mean over seeds")
     fig.tight_layout()
     p = png_dir / f"{_report_names(dataset, rounds)}_heatmap.png"
@@ -557,13 +586,13 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path, dataset: str, rounds: int)
     fig, axes = plt.subplots(len(TAUS), len(ALPHAS), figsize=(11, 8), sharey=True, squeeze=False)
     for ax, (t, a) in zip(axes.flat, cells, strict=True):
         data, labels = [], []
-        for m in METHODS:
+        for m in methods:
             vals = []
             for r in (by.get((m, t, a)) or {}).get("runs", []):
                 pc, new = r.get("per_client_acc") or [], r.get("is_new_client") or []
                 vals += [100 * v for i, v in enumerate(pc) if v is not None and not (i < len(new) and new[i])]
             data.append(vals if vals else [np.nan])
-            labels.append(METHODS[m][0].replace(" + ", "\n+ ").replace(" (", "\n(") + ("" if vals else "\nmissing"))
+            labels.append(labels_of[m].replace(" + ", "\n+ ").replace(" (", "\n(") + ("" if vals else "\nmissing"))
         ax.boxplot(data, showfliers=True)
         ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
         ax.set_title(f"τ = {t}, α = {a:g}")
@@ -622,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report() -> tuple[Path, Path]:
         rows = summarise(read_records(results_path), args.rounds, args.seeds, args.dataset, root)
+        rows += tuned_rows(args.seeds, args.rounds, args.dataset)
         return write_report(rows, args.report_dir, args.results, args.dataset, args.rounds, command)
 
     todo: list[Run] = []
