@@ -318,6 +318,16 @@ def body_sha256(text: str) -> str:
 
 #: the score of a sweep candidate whose run stopped on a non-finite loss or update (a result, not a failure)
 DIVERGED = -math.inf
+#: the score of a sweep candidate the library refused at setup (a ``fedmeta: error:`` line, e.g. pFedMe's
+#: ``local_lr·lam < 2`` stability bound): a result as well, ranked below every accuracy (which lie in [0, 1])
+REFUSED = -1.0
+#: how the CLI reports a configuration the library refuses before training (``lightning_fedmeta.cli``)
+SETUP_ERROR_PREFIX = "fedmeta: error:"
+
+
+def failed_score(s: float | None) -> bool:
+    """Whether a sweep score marks a candidate without an accuracy: :data:`DIVERGED` or :data:`REFUSED`."""
+    return s is not None and s < 0
 
 
 #: rates and strengths the sweeps take their values from; an extension goes to the next value on it
@@ -350,15 +360,18 @@ def extend(candidates: list[dict[str, Any]], up: bool) -> dict[str, Any]:
 
 
 def _score_of(entry: Entry, c: dict[str, Any], ok: dict[tuple[Any, ...], dict[str, Any]],
-              diverged: set[tuple[Any, ...]]) -> float | None:
+              diverged: set[tuple[Any, ...]], refused: set[tuple[Any, ...]]) -> float | None:
     key = (entry.key, _sha256(candidate_config(entry, c)), SWEEP_SEED, SWEEP_ROUNDS)
     r = ok.get(key)
-    return r.get("acc_weighted") if r is not None else (DIVERGED if key in diverged else None)
+    if r is not None:
+        return r.get("acc_weighted")
+    return DIVERGED if key in diverged else (REFUSED if key in refused else None)
 
 
 def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float | None]]:
     """Each candidate with its final-round validation accuracy: ``None`` until it has a successful run,
-    :data:`DIVERGED` when its run stopped on a non-finite loss or update (the loop's divergence check).
+    :data:`DIVERGED` when its run stopped on a non-finite loss or update (the loop's divergence check),
+    :data:`REFUSED` when the library refused its configuration at setup (a ``fedmeta: error:`` line).
 
     The candidates are the entry's sweep, extended while its best value is at an edge: when every score is in
     and the winner is the largest (smallest) value, the next value beyond it (:func:`extend`) joins the sweep,
@@ -367,9 +380,11 @@ def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tupl
     ok = _ok(sweep_records)
     diverged = {(r.get("entry"), r.get("config_sha256"), r.get("seed"), r.get("rounds"))
                 for r in sweep_records if "non-finite" in str(r.get("error", ""))}
+    refused = {(r.get("entry"), r.get("config_sha256"), r.get("seed"), r.get("rounds"))
+               for r in sweep_records if str(r.get("error", "")).startswith(SETUP_ERROR_PREFIX)}
     cands = sorted(entry.sweep, key=lambda c: c[next(iter(c))])
     for _ in range(MAX_EXTENSIONS + 1):
-        scores = [(c, _score_of(entry, c, ok, diverged)) for c in cands]
+        scores = [(c, _score_of(entry, c, ok, diverged, refused)) for c in cands]
         winner = pick_winner(scores)
         if winner is None:
             return scores
@@ -377,9 +392,9 @@ def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tupl
         added = len(cands) - len(entry.sweep)
         if added >= MAX_EXTENSIONS or len(cands) < 2:
             return scores
-        if i == len(cands) - 1 and scores[-1][1] != DIVERGED:
+        if i == len(cands) - 1 and not failed_score(scores[-1][1]):
             cands = [*cands, extend(cands, up=True)]
-        elif i == 0 and scores[0][1] != DIVERGED:
+        elif i == 0 and not failed_score(scores[0][1]):
             cands = [extend(cands, up=False), *cands]
         else:
             return scores
@@ -388,8 +403,8 @@ def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tupl
 
 def pick_winner(scores: list[tuple[dict[str, Any], float | None]]) -> dict[str, Any] | None:
     """The candidate with the highest validation score (ties: the first listed); ``None`` if any is missing
-    or every candidate diverged."""
-    if not scores or any(s is None for _, s in scores) or all(s == DIVERGED for _, s in scores):
+    or every candidate diverged or was refused."""
+    if not scores or any(s is None for _, s in scores) or all(failed_score(s) for _, s in scores):
         return None
     best = max(range(len(scores)), key=lambda i: (scores[i][1], -i))
     return scores[best][0]
@@ -412,7 +427,7 @@ def choose(entry: Entry, sweep_records: list[dict[str, Any]], final_records: lis
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i][1], i))  # type: ignore[operator]
     for i in ranked:
         c, score = scores[i]
-        if score == DIVERGED:
+        if failed_score(score):
             break
         seeds = diverged.get(body_sha256(final_config(entry, c, scores)))
         if not seeds:
@@ -491,14 +506,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def pending() -> list[tuple[str, Entry, dict[str, Any] | None, int]]:
-        """Runs still to do: sweep candidates, then the finals of entries whose sweep is complete."""
+        """Runs still to do: sweep candidates, then the finals of entries whose sweep is complete. A final job
+        carries its winner, so a winner withdrawn mid-run (its final diverged) does not hide its successor's
+        finals from the ``tried`` set below."""
         sweep, final = read_records(sweep_path), read_records(final_path)
         ok_f = _ok(final, "config_body_sha256")
         todo: list[tuple[str, Entry, dict[str, Any] | None, int]] = []
         for e in entries:
-            text = _winner_text(e, sweep, final)
-            if text is not None:
-                todo += [("final", e, None, s) for s in args.seeds
+            winner, scores, withdrawn = choose(e, sweep, final)
+            if winner is not None:
+                text = final_config(e, winner, scores, withdrawn)
+                todo += [("final", e, winner, s) for s in args.seeds
                          if (e.key, body_sha256(text), s, ROUNDS) not in ok_f]
         for e in entries:  # a candidate that diverged has its result; one that failed otherwise is retried
             todo += [("sweep", e, c, SWEEP_SEED) for c, score in sweep_scores(e, sweep) if score is None]
@@ -614,7 +632,11 @@ def _grid_hf(cell: tuple[int, float]) -> dict[int, float]:
 def _score(s: float | None, digits: int = 2) -> str:
     if s is None:
         return "pending"
-    return "diverged" if s == DIVERGED else f"{100 * s:.{digits}f}" + (" %" if digits == 2 else "")
+    if s == DIVERGED:
+        return "diverged"
+    if s == REFUSED:
+        return "refused at setup"
+    return f"{100 * s:.{digits}f}" + (" %" if digits == 2 else "")
 
 
 def _cand(c: dict[str, Any]) -> str:

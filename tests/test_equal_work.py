@@ -168,3 +168,62 @@ def test_a_winner_whose_final_run_diverges_is_withdrawn_for_the_next_best_by_val
     winner, scores, withdrawn = ew.choose(e, recs, [boom, other_error])
     assert winner == e.sweep[3] and withdrawn == [(e.sweep[2], [1])]  # 0.1 is next best (0.84 > 0.83)
     assert "withdrawn: its final run diverged with seed(s) [1]" in ew.final_config(e, winner, scores, withdrawn)
+
+
+def test_a_candidate_refused_at_setup_is_a_result_that_ends_the_sweep() -> None:
+    """pFedMe's off-ladder sweep 0.005, 0.02, 0.05 extends to 0.12, then 0.29, which the library refuses
+    (local_lr·λ < 2); the refusal is a result: 0.12 wins, inside its sweep, with no run left pending."""
+    e = ew.ENTRIES["pfedme_w16"]
+    key = next(iter(e.sweep[0]))
+    recs = [_sweep_record(e, c, acc) for c, acc in zip(e.sweep, [0.788, 0.886, 0.903], strict=True)]
+    up = ew.sweep_scores(e, recs)[-1][0]
+    assert up[key] == 0.12
+    recs.append(_sweep_record(e, up, 0.905))
+    up2 = ew.sweep_scores(e, recs)[-1][0]
+    assert up2[key] == 0.29
+    recs.append(_sweep_record(e, up2, error="fedmeta: error: local_lr·lam must be < 2, got 0.29·15.0 = 4.35"))
+    scores = ew.sweep_scores(e, recs)
+    assert [s for _, s in scores][-1] == ew.REFUSED and ew.pick_winner(scores) == up
+    row = ew.summarise([e], recs, [], [0])[0]
+    assert row["winner"] == up and not row["winner_at_edge"]
+    assert "refused at setup" in ew.final_config(e, up, scores)
+    crashed = [*recs[:-1], _sweep_record(e, up2, error="RuntimeError: killed")]  # not a refusal: retried
+    assert ew.sweep_scores(e, crashed)[-1][1] is None
+
+
+def test_the_driver_runs_the_successors_finals_when_a_winner_is_withdrawn_mid_run(tmp_path, monkeypatch) -> None:
+    """A run in which the best-by-validation candidate diverges in its final runs goes on to run all three finals of
+    the next best in the same invocation (the old driver remembered the finals as tried by seed alone)."""
+    e = ew.ENTRIES["fedavg_tuned_tau4_alpha0.001"]
+    key = next(iter(e.sweep[0]))
+    sweep_acc = {c[key]: acc for c, acc in zip(e.sweep, [0.78, 0.83, 0.84, 0.85], strict=True)}
+    sweep_acc[ew._next_value([c[key] for c in e.sweep], up=True)] = 0.86  # the edge extension wins validation
+    best = max(sweep_acc, key=sweep_acc.get)
+    calls: list[tuple[str, float, int]] = []
+
+    def fake_run(config_text, config_file, seed, rounds, out_dir, threads, extra):
+        lr = yaml.safe_load(config_text)["model"]["algorithm"][key.split(".", 1)[1]]
+        calls.append((extra["stage"], lr, seed))
+        rec = {**extra, "seed": seed, "rounds": rounds, "config_sha256": ew._sha256(config_text),
+               "config_body_sha256": ew.body_sha256(config_text), "wall_s": 1.0}
+        if extra["stage"] == "sweep":
+            if lr not in sweep_acc:  # the second extension diverges
+                return rec | {"error": "FloatingPointError: round 2: client 0 produced a non-finite loss"}
+            return rec | {"acc_weighted": sweep_acc[lr]}
+        if lr == best and seed in (0, 1):
+            return rec | {"error": f"FloatingPointError: round 9: client 3 produced a non-finite loss (seed {seed})"}
+        return rec | {"acc_weighted": 0.9 + seed / 100, "acc_worst10": 0.5, "new_acc_weighted": 0.8,
+                      "best_acc_weighted": 0.91, "curve": [[1000, 0.9, 0.5, 0.8]], "per_client_acc": [0.9]}
+
+    monkeypatch.setattr(ew, "_run", fake_run)
+    monkeypatch.setattr(ew, "REPO", tmp_path)
+    results = tmp_path / "results"
+    ew.main(["--entries", e.key, "--jobs", "1", "--results", str(results), "--report-dir", str(tmp_path / "report"),
+             "--runs", str(tmp_path / "runs")])
+    finals = [(lr, s) for stage, lr, s in calls if stage == "final"]
+    successor = max((lr for lr in sweep_acc if lr != best), key=sweep_acc.get)
+    assert sorted(s for lr, s in finals if lr == successor) == [0, 1, 2]
+    row = ew.summarise([e], ew.read_records(results / "sweep_fashion_mnist.jsonl"),
+                       ew.read_records(results / "final_fashion_mnist.jsonl"), [0, 1, 2])[0]
+    assert row["winner"][key] == successor and row["seeds_done"] == 3
+    assert row["withdrawn"] and row["withdrawn"][0][0][key] == best
