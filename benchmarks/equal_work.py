@@ -2,6 +2,7 @@
 
     python benchmarks/equal_work.py [--jobs 2] [--threads 1] [--entries E ...] [--smoke]
                                     [--report-only] [--write-winners]
+                                    [--dataset fashion_mnist | --dataset mnist --root DIR]
 
 Two comparisons on the Per-FedAvg paper's setting (benchmarks/reproduce.py: MLP 784-80-60-10 ELU,
 n = 50 users on ``partition: perfedavg_paper`` of Fashion-MNIST, 10 per round, batch 40, uniform
@@ -41,11 +42,15 @@ header and the report say so. The short
 sweep is a budget choice (300 of 1000 rounds) and can favour faster rates; the report says where a
 winner is still at the edge of its sweep.
 
+``--dataset mnist --root DIR`` runs the same comparison on MNIST for users who have its files: the sweeps are
+scored on MNIST's own validation split, the winners go to ``configs/paper/equal_work_mnist/``, the report to
+``equal_work_mnist.md`` / ``.csv``, and ``benchmarks/reproduce.py --dataset mnist`` adds the tuned baseline rows.
+
 Records (one JSON line per finished run, written the moment it finishes) go to
 ``benchmarks/results/equal_work/sweep_<dataset>.jsonl`` and ``final_<dataset>.jsonl``; a re-run
 skips runs whose (config text hash, seed, rounds) already succeeded, so an interrupted run resumes.
 Finals of an entry start as soon as its sweep is complete. The report is
-``benchmarks/results/equal_work.md`` / ``.csv`` with PNGs under ``benchmarks/results/equal_work/``.
+``benchmarks/results/equal_work[_<dataset>].md`` / ``.csv`` with PNGs under ``benchmarks/results/equal_work/``.
 """
 
 from __future__ import annotations
@@ -105,6 +110,11 @@ VALIDATION_FRACTION = 0.2
 WORK = 16  # gradient evaluations per client per round: Per-FedAvg HF / exact at τ = 4
 WINNER_DIR = Path("configs/paper/equal_work")
 RESULTS = Path("benchmarks/results/equal_work")
+#: the default dataset: the one this machine has (Debian's ``dataset-fashion-mnist``)
+DATASET = "fashion_mnist"
+#: datasets the comparison runs on (``--dataset``); MNIST needs its files (``--root DIR``)
+DATASETS = ("fashion_mnist", "mnist")
+TITLES = {"fashion_mnist": "Fashion-MNIST", "mnist": "MNIST"}
 MLP = {"class_path": "lightning_fedmeta.models.MLP",
        "init_args": {"in_features": 784, "hidden": [80, 60], "num_classes": 10, "activation": "elu"}}
 LINEAR = {"class_path": "lightning_fedmeta.models.LogisticRegression",
@@ -211,9 +221,21 @@ def _apply(entry: Entry, candidate: dict[str, Any]) -> tuple[dict[str, Any], dic
     return algo, model
 
 
-def _config(entry: Entry, candidate: dict[str, Any], rounds: int, validation: bool, eval_every: int) -> dict[str, Any]:
+def winner_dir(dataset: str = DATASET) -> Path:
+    """Where the winner configs of ``dataset``'s sweeps live: ``configs/paper/equal_work[_<dataset>]``
+    (each dataset is tuned on its own validation data)."""
+    return WINNER_DIR if dataset == DATASET else WINNER_DIR.with_name(f"{WINNER_DIR.name}_{dataset}")
+
+
+def report_name(dataset: str = DATASET) -> str:
+    """The stem of the report and its PNGs: ``equal_work`` for the default dataset, else ``equal_work_<dataset>``."""
+    return "equal_work" if dataset == DATASET else f"equal_work_{dataset}"
+
+
+def _config(entry: Entry, candidate: dict[str, Any], rounds: int, validation: bool, eval_every: int,
+            dataset: str = DATASET) -> dict[str, Any]:
     algo, model = _apply(entry, candidate)
-    data = {"dataset": "fashion_mnist", "partition": "perfedavg_paper", "num_clients": NUM_CLIENTS,
+    data = {"dataset": dataset, "partition": "perfedavg_paper", "num_clients": NUM_CLIENTS,
             "eval_every": eval_every, "data_seed": 0}
     if validation:
         data["validation_fraction"] = VALIDATION_FRACTION
@@ -231,16 +253,16 @@ def _tag(candidate: dict[str, Any]) -> str:
                     for k, v in candidate.items())
 
 
-def candidate_config(entry: Entry, candidate: dict[str, Any]) -> str:
+def candidate_config(entry: Entry, candidate: dict[str, Any], dataset: str = DATASET) -> str:
     """The YAML of one sweep candidate: ``SWEEP_ROUNDS`` rounds scored on the validation split."""
     head = (f"# Sweep candidate of {entry.key} ({entry.label}): {candidate}; benchmarks/equal_work.py, issue 14.\n"
             f"# Scored on data.validation_fraction = {VALIDATION_FRACTION:g} of each client's training data "
             "(the test set is not read).\n")
-    return head + yaml.safe_dump(_config(entry, candidate, SWEEP_ROUNDS, True, 50), sort_keys=False)
+    return head + yaml.safe_dump(_config(entry, candidate, SWEEP_ROUNDS, True, 50, dataset), sort_keys=False)
 
 
 def final_config(entry: Entry, winner: dict[str, Any], scores: list[tuple[dict[str, Any], float | None]],
-                 withdrawn: list[tuple[dict[str, Any], list[int]]] | None = None) -> str:
+                 withdrawn: list[tuple[dict[str, Any], list[int]]] | None = None, dataset: str = DATASET) -> str:
     """The committed YAML of the entry's sweep winner (1000 rounds, test evaluation), with the sweep in its header
     (and the better-scoring candidates whose final runs diverged, ``withdrawn``: (candidate, seeds))."""
     gone = {json.dumps(c, sort_keys=True): seeds for c, seeds in withdrawn or []}
@@ -255,10 +277,11 @@ def final_config(entry: Entry, winner: dict[str, Any], scores: list[tuple[dict[s
              in gone else "")
           for c, s in scores],
         "# Generated by `python benchmarks/equal_work.py --write-winners`; the driver overrides the seed:",
-        f"#   fedmeta fit --config {(WINNER_DIR / (entry.key + '.yaml')).as_posix()} "
-        "--seed_everything S --data.data_seed S --model.seed S",
+        f"#   fedmeta fit --config {(winner_dir(dataset) / (entry.key + '.yaml')).as_posix()} "
+        "--seed_everything S --data.data_seed S --model.seed S" + ("" if dataset == DATASET else " --data.root DIR"),
     ]
-    return "\n".join(lines) + "\n" + yaml.safe_dump(_config(entry, winner, ROUNDS, False, 10), sort_keys=False)
+    body = _config(entry, winner, ROUNDS, False, 10, dataset)
+    return "\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 
 def _available(entry: Entry) -> bool:
@@ -275,7 +298,7 @@ def _available(entry: Entry) -> bool:
 
 # -- running ---------------------------------------------------------------------------------------
 def _run(config_text: str, config_file: Path, seed: int, rounds: int, out_dir: Path, threads: int | None,
-         extra: dict[str, Any]) -> dict[str, Any]:
+         extra: dict[str, Any], root: str | None = None) -> dict[str, Any]:
     """Run ``fedmeta fit`` on ``config_file`` (whose text is ``config_text``) and return its record."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -283,10 +306,12 @@ def _run(config_text: str, config_file: Path, seed: int, rounds: int, out_dir: P
     cmd = [sys.executable, "-m", "lightning_fedmeta.cli", "fit", "--config", str(config_file),
            "--seed_everything", str(seed), "--data.data_seed", str(seed), "--model.seed", str(seed),
            "--trainer.default_root_dir", str(out_dir), "--trainer.enable_progress_bar", "false"]
+    if root is not None:
+        cmd += ["--data.root", root]
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    rec: dict[str, Any] = {**extra, "seed": seed, "rounds": rounds, "config_sha256": _sha256(config_text),
+    rec: dict[str, Any] = {**extra, "seed": seed, "rounds": rounds, "root": root, "config_sha256": _sha256(config_text),
                            "config_body_sha256": body_sha256(config_text),
                            "threads": threads, "command": "fedmeta " + " ".join(cmd[3:]), "git_commit": _git_commit()}
     start = time.perf_counter()
@@ -360,15 +385,16 @@ def extend(candidates: list[dict[str, Any]], up: bool) -> dict[str, Any]:
 
 
 def _score_of(entry: Entry, c: dict[str, Any], ok: dict[tuple[Any, ...], dict[str, Any]],
-              diverged: set[tuple[Any, ...]], refused: set[tuple[Any, ...]]) -> float | None:
-    key = (entry.key, _sha256(candidate_config(entry, c)), SWEEP_SEED, SWEEP_ROUNDS)
+              diverged: set[tuple[Any, ...]], refused: set[tuple[Any, ...]], dataset: str = DATASET) -> float | None:
+    key = (entry.key, _sha256(candidate_config(entry, c, dataset)), SWEEP_SEED, SWEEP_ROUNDS)
     r = ok.get(key)
     if r is not None:
         return r.get("acc_weighted")
     return DIVERGED if key in diverged else (REFUSED if key in refused else None)
 
 
-def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float | None]]:
+def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]], dataset: str = DATASET
+                 ) -> list[tuple[dict[str, Any], float | None]]:
     """Each candidate with its final-round validation accuracy: ``None`` until it has a successful run,
     :data:`DIVERGED` when its run stopped on a non-finite loss or update (the loop's divergence check),
     :data:`REFUSED` when the library refused its configuration at setup (a ``fedmeta: error:`` line).
@@ -384,7 +410,7 @@ def sweep_scores(entry: Entry, sweep_records: list[dict[str, Any]]) -> list[tupl
                for r in sweep_records if str(r.get("error", "")).startswith(SETUP_ERROR_PREFIX)}
     cands = sorted(entry.sweep, key=lambda c: c[next(iter(c))])
     for _ in range(MAX_EXTENSIONS + 1):
-        scores = [(c, _score_of(entry, c, ok, diverged, refused)) for c in cands]
+        scores = [(c, _score_of(entry, c, ok, diverged, refused, dataset)) for c in cands]
         winner = pick_winner(scores)
         if winner is None:
             return scores
@@ -410,13 +436,13 @@ def pick_winner(scores: list[tuple[dict[str, Any], float | None]]) -> dict[str, 
     return scores[best][0]
 
 
-def choose(entry: Entry, sweep_records: list[dict[str, Any]], final_records: list[dict[str, Any]] | None = None
-           ) -> tuple[dict[str, Any] | None, list[tuple[dict[str, Any], float | None]],
+def choose(entry: Entry, sweep_records: list[dict[str, Any]], final_records: list[dict[str, Any]] | None = None,
+           dataset: str = DATASET) -> tuple[dict[str, Any] | None, list[tuple[dict[str, Any], float | None]],
                       list[tuple[dict[str, Any], list[int]]]]:
     """``(winner, scores, withdrawn)``: the best candidate by validation score (:func:`pick_winner`), except that a
     candidate whose final run diverged (a non-finite loss or update, seen in training, not in test data) is
     withdrawn and the next best by validation takes its place. ``withdrawn`` lists (candidate, diverged seeds)."""
-    scores = sweep_scores(entry, sweep_records)
+    scores = sweep_scores(entry, sweep_records, dataset)
     if pick_winner(scores) is None:
         return None, scores, []
     diverged: dict[str, list[int]] = {}
@@ -429,7 +455,7 @@ def choose(entry: Entry, sweep_records: list[dict[str, Any]], final_records: lis
         c, score = scores[i]
         if failed_score(score):
             break
-        seeds = diverged.get(body_sha256(final_config(entry, c, scores)))
+        seeds = diverged.get(body_sha256(final_config(entry, c, scores, dataset=dataset)))
         if not seeds:
             return c, scores, withdrawn
         withdrawn.append((c, sorted(set(seeds))))
@@ -437,9 +463,9 @@ def choose(entry: Entry, sweep_records: list[dict[str, Any]], final_records: lis
 
 
 def _winner_text(entry: Entry, sweep_records: list[dict[str, Any]],
-                 final_records: list[dict[str, Any]] | None = None) -> str | None:
-    winner, scores, withdrawn = choose(entry, sweep_records, final_records)
-    return None if winner is None else final_config(entry, winner, scores, withdrawn)
+                 final_records: list[dict[str, Any]] | None = None, dataset: str = DATASET) -> str | None:
+    winner, scores, withdrawn = choose(entry, sweep_records, final_records, dataset)
+    return None if winner is None else final_config(entry, winner, scores, withdrawn, dataset)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,22 +474,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dataset", choices=list(DATASETS), default=DATASET)
+    parser.add_argument("--root", default=None, help="data folder (needed for --dataset mnist)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--report-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--runs", type=Path, default=Path("runs/equal_work"))
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--write-winners", action="store_true",
-                        help="(re)write configs/paper/equal_work/<entry>.yaml from the stored sweep records")
+                        help="(re)write configs/paper/equal_work[_<dataset>]/<entry>.yaml from the stored records")
     parser.add_argument("--smoke", action="store_true",
                         help="run each entry's first candidate for 3 rounds (nothing recorded): checks every config")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.dataset != DATASET and args.root is None and not (args.report_only or args.write_winners):
+        parser.error(f"--dataset {args.dataset} needs --root DIR (the folder with its files)")
+    dataset, root = args.dataset, None if args.root is None else str(Path(args.root).resolve())
     entries = [ENTRIES[k] for k in (args.entries or ENTRIES) if _available(ENTRIES[k])]
     args.results.mkdir(parents=True, exist_ok=True)
-    sweep_path, final_path = args.results / "sweep_fashion_mnist.jsonl", args.results / "final_fashion_mnist.jsonl"
-    runs_dir = args.runs.resolve()
+    sweep_path, final_path = args.results / f"sweep_{dataset}.jsonl", args.results / f"final_{dataset}.jsonl"
+    runs_dir = args.runs.resolve() / ("" if dataset == DATASET else dataset)
+    wdir = winner_dir(dataset)
 
     def cand_file(entry: Entry, c: dict[str, Any]) -> tuple[str, Path]:
-        text = candidate_config(entry, c)
+        text = candidate_config(entry, c, dataset)
         p = runs_dir / "configs" / f"{entry.key}__{_tag(c)}.yaml"
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
@@ -476,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             for e in entries:
                 text, p = cand_file(e, e.sweep[0])
                 futs[pool.submit(_run, text, p, 0, 3, runs_dir / "smoke" / e.key, args.threads,
-                                 {"entry": e.key})] = e
+                                 {"entry": e.key}, root)] = e
             for fut in cf.as_completed(futs):
                 rec = fut.result()
                 failed += "error" in rec
@@ -487,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     def write_winners() -> None:
         sweep, final = read_records(sweep_path), read_records(final_path)
         for e in entries:
-            text = _winner_text(e, sweep, final)
-            p = REPO / WINNER_DIR / f"{e.key}.yaml"
+            text = _winner_text(e, sweep, final, dataset)
+            p = REPO / wdir / f"{e.key}.yaml"
             if text is None:  # no winner (yet): an extended sweep is running, so an older winner is withdrawn
                 p.unlink(missing_ok=True)
             elif not p.exists() or p.read_text() != text:
@@ -497,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def report() -> None:
         write_winners()
-        rows = summarise(entries, read_records(sweep_path), read_records(final_path), args.seeds)
-        md, csv_path = write_report(rows, args.report_dir, args.results)
+        rows = summarise(entries, read_records(sweep_path), read_records(final_path), args.seeds, dataset)
+        md, csv_path = write_report(rows, args.report_dir, args.results, dataset)
         print(f"[equal_work] report: {md}, {csv_path}", flush=True)
 
     if args.write_winners or args.report_only:
@@ -513,13 +547,13 @@ def main(argv: list[str] | None = None) -> int:
         ok_f = _ok(final, "config_body_sha256")
         todo: list[tuple[str, Entry, dict[str, Any] | None, int]] = []
         for e in entries:
-            winner, scores, withdrawn = choose(e, sweep, final)
+            winner, scores, withdrawn = choose(e, sweep, final, dataset)
             if winner is not None:
-                text = final_config(e, winner, scores, withdrawn)
+                text = final_config(e, winner, scores, withdrawn, dataset)
                 todo += [("final", e, winner, s) for s in args.seeds
                          if (e.key, body_sha256(text), s, ROUNDS) not in ok_f]
         for e in entries:  # a candidate that diverged has its result; one that failed otherwise is retried
-            todo += [("sweep", e, c, SWEEP_SEED) for c, score in sweep_scores(e, sweep) if score is None]
+            todo += [("sweep", e, c, SWEEP_SEED) for c, score in sweep_scores(e, sweep, dataset) if score is None]
         return todo
 
     def launch(pool: cf.ThreadPoolExecutor, job: tuple[str, Entry, dict[str, Any] | None, int]) -> cf.Future:
@@ -530,13 +564,13 @@ def main(argv: list[str] | None = None) -> int:
             out = runs_dir / "sweep" / f"{e.key}__{_tag(c)}"
             return pool.submit(_run, text, p, s, SWEEP_ROUNDS, out, args.threads,
                                {"stage": "sweep", "entry": e.key, "candidate": c,
-                                "grad_evals_per_client_round": entry_work(e)})
+                                "grad_evals_per_client_round": entry_work(e)}, root)
         write_winners()
-        p = REPO / WINNER_DIR / f"{e.key}.yaml"
+        p = REPO / wdir / f"{e.key}.yaml"
         return pool.submit(_run, p.read_text(), p.relative_to(REPO), s, ROUNDS, runs_dir / "final" / e.key / f"seed{s}",
                            args.threads, {"stage": "final", "entry": e.key,
-                                          "config": (WINNER_DIR / f"{e.key}.yaml").as_posix(),
-                                          "grad_evals_per_client_round": entry_work(e)})
+                                          "config": (wdir / f"{e.key}.yaml").as_posix(),
+                                          "grad_evals_per_client_round": entry_work(e)}, root)
 
     start, done, failed = time.perf_counter(), 0, 0
     running: dict[cf.Future, tuple[str, Entry, dict[str, Any] | None, int]] = {}
@@ -580,13 +614,13 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- report ----------------------------------------------------------------------------------------
 def summarise(entries: list[Entry], sweep: list[dict[str, Any]], final: list[dict[str, Any]],
-              seeds: list[int]) -> list[dict[str, Any]]:
+              seeds: list[int], dataset: str = DATASET) -> list[dict[str, Any]]:
     """One row per entry: its sweep, winner, and final-run mean ± sample std over the finished seeds."""
     ok_f = _ok(final, "config_body_sha256")
     rows = []
     for e in entries:
-        winner, scores, withdrawn = choose(e, sweep, final)
-        text = None if winner is None else final_config(e, winner, scores, withdrawn)
+        winner, scores, withdrawn = choose(e, sweep, final, dataset)
+        text = None if winner is None else final_config(e, winner, scores, withdrawn, dataset)
         runs = [] if text is None else [ok_f[k] for s in seeds
                                         if (k := (e.key, body_sha256(text), s, ROUNDS)) in ok_f]
         row: dict[str, Any] = {"entry": e.key, "label": e.label, "cell": e.cell, "evaluation": e.evaluation,
@@ -618,15 +652,15 @@ def paired_against(rows: list[dict[str, Any]], base_key: str, other: dict[int, f
     return out
 
 
-def _grid_hf(cell: tuple[int, float]) -> dict[int, float]:
+def _grid_hf(cell: tuple[int, float], dataset: str = DATASET) -> dict[int, float]:
     """Per-FedAvg HF's final accuracy per seed in a grid cell, from benchmarks/reproduce.py's records."""
-    path = REPO / "benchmarks/results/reproduction/runs_fashion_mnist.jsonl"
+    path = REPO / f"benchmarks/results/reproduction/runs_{dataset}.jsonl"
     if not path.exists():
         return {}
     t, a = cell
     return {r["seed"]: r["acc_weighted"] for r in read_records(path)
             if "error" not in r and r.get("method") == "perfedavg_hf" and r.get("tau") == t
-            and r.get("alpha") == a and r.get("rounds") == ROUNDS}
+            and r.get("alpha") == a and r.get("rounds") == ROUNDS and r.get("dataset", DATASET) == dataset}
 
 
 def _score(s: float | None, digits: int = 2) -> str:
@@ -644,10 +678,12 @@ def _cand(c: dict[str, Any]) -> str:
                      for k, v in c.items())
 
 
-def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path) -> tuple[Path, Path]:
-    """``equal_work.md`` / ``.csv`` in ``out_dir``, PNGs in ``png_dir``."""
+def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path, dataset: str = DATASET
+                 ) -> tuple[Path, Path]:
+    """``equal_work[_<dataset>].md`` / ``.csv`` in ``out_dir``, PNGs in ``png_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out_dir / "equal_work.csv", out_dir / "equal_work.md"
+    name = report_name(dataset)
+    csv_path, md_path = out_dir / f"{name}.csv", out_dir / f"{name}.md"
     fields = ["entry", "label", "work", "evaluation", "winner", "seeds_done", "acc_weighted_mean", "acc_weighted_std",
               "acc_worst10_mean", "acc_worst10_std", "new_acc_weighted_mean", "new_acc_weighted_std",
               "best_acc_weighted_mean", "wall_s_mean"]
@@ -656,7 +692,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path) -> tu
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if r.get(k) is None else (_cand(r[k]) if k == "winner" else r[k])) for k in fields})
-    pngs = _plots(rows, png_dir)
+    pngs = _plots(rows, png_dir, dataset)
     rel = os.path.relpath(png_dir, out_dir)
     grid_rows = [r for r in rows if r["cell"] is not None]
     work_rows = [r for r in rows if r["cell"] is None]
@@ -678,7 +714,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path) -> tu
             "| winner | seeds | test acc (weighted) | worst 10% | new clients | best round (secondary) | {} "
             "| wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [
-        "# Every algorithm at equal work, tuned on validation data (Fashion-MNIST, Per-FedAvg paper split)",
+        f"# Every algorithm at equal work, tuned on validation data ({TITLES[dataset]}, Per-FedAvg paper split)",
         "",
         "Generated by `python benchmarks/equal_work.py` (issue 14); do not edit by hand. Setting and "
         "protocol: docs/reproduction.md and the script's docstring. Test accuracies in %, final round "
@@ -692,7 +728,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path) -> tu
         head.format("Per-FedAvg (HF) − this, paired by seed"),
     ]
     for r in grid_rows:
-        hf = paired_against([r], r["entry"], _grid_hf(r["cell"]))[r["entry"]]
+        hf = paired_against([r], r["entry"], _grid_hf(r["cell"], dataset))[r["entry"]]
         d = (-hf[0] if hf[0] is not None else None, hf[1], hf[2])
         lines.append(line(r, _pct(d[0], d[1], signed=True) + (f" ({d[2]} seeds)" if d[2] else "")))
     lines += [
@@ -710,7 +746,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path) -> tu
     return md_path, csv_path
 
 
-def _plots(rows: list[dict[str, Any]], png_dir: Path) -> list[Path]:
+def _plots(rows: list[dict[str, Any]], png_dir: Path, dataset: str = DATASET) -> list[Path]:
     """Accuracy vs round (mean, min–max band over seeds) and the per-client accuracy box plot per entry."""
     import matplotlib
 
@@ -739,9 +775,9 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, ncol=2, loc="lower right")
-    ax.set_title("Fashion-MNIST, equal work (16 grad evals / client / round): mean and min–max over seeds")
+    ax.set_title(f"{TITLES[dataset]}, equal work ({WORK} grad evals / client / round): mean and min–max over seeds")
     fig.tight_layout()
-    p = png_dir / "equal_work_curves.png"
+    p = png_dir / f"{report_name(dataset)}_curves.png"
     fig.savefig(p, dpi=100)
     plt.close(fig)
     paths.append(p)
@@ -761,7 +797,7 @@ def _plots(rows: list[dict[str, Any]], png_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3, axis="y")
     ax.set_title("Final-round accuracy of each training client (seeds pooled): who is left behind")
     fig.tight_layout()
-    p = png_dir / "equal_work_per_client.png"
+    p = png_dir / f"{report_name(dataset)}_per_client.png"
     fig.savefig(p, dpi=100)
     plt.close(fig)
     paths.append(p)

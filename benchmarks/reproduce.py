@@ -363,17 +363,18 @@ def summarise(records: list[dict[str, Any]], rounds: int, seeds: list[int], data
 
 def tuned_rows(seeds: list[int], rounds: int, dataset: str) -> list[dict[str, Any]]:
     """The grid's second baseline, FedAvg at a validation-tuned local rate + 1 fine-tune step at α, one row per
-    cell in :func:`summarise`'s format, read from ``benchmarks/equal_work.py``'s records (which tune and run it:
-    Fashion-MNIST, 1000 rounds; no rows for another dataset or length)."""
-    if dataset != "fashion_mnist" or rounds != ROUNDS:
+    cell in :func:`summarise`'s format, read from ``benchmarks/equal_work.py``'s records of ``dataset`` (which
+    tune and run it for 1000 rounds: ``python benchmarks/equal_work.py --dataset D``; no rows for another
+    length)."""
+    if rounds != ROUNDS:
         return []
     import equal_work as ew  # a sibling script (this directory is on sys.path); it imports this module
 
     entries = [e for e in ew.ENTRIES.values() if e.cell is not None]
-    sweep = read_records(REPO / ew.RESULTS / "sweep_fashion_mnist.jsonl")
-    final = read_records(REPO / ew.RESULTS / "final_fashion_mnist.jsonl")
+    sweep = read_records(REPO / ew.RESULTS / f"sweep_{dataset}.jsonl")
+    final = read_records(REPO / ew.RESULTS / f"final_{dataset}.jsonl")
     rows = []
-    for r in ew.summarise(entries, sweep, final, seeds):
+    for r in ew.summarise(entries, sweep, final, seeds, dataset):
         t, a = r["cell"]
         row = {k: r[k] for k in r if k.endswith(("_mean", "_std"))}
         row.update(method="fedavg_tuned", label="FedAvg (tuned rate) + 1 fine-tune step", tau=t, alpha=a,

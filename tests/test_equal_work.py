@@ -201,7 +201,7 @@ def test_the_driver_runs_the_successors_finals_when_a_winner_is_withdrawn_mid_ru
     best = max(sweep_acc, key=sweep_acc.get)
     calls: list[tuple[str, float, int]] = []
 
-    def fake_run(config_text, config_file, seed, rounds, out_dir, threads, extra):
+    def fake_run(config_text, config_file, seed, rounds, out_dir, threads, extra, root=None):
         lr = yaml.safe_load(config_text)["model"]["algorithm"][key.split(".", 1)[1]]
         calls.append((extra["stage"], lr, seed))
         rec = {**extra, "seed": seed, "rounds": rounds, "config_sha256": ew._sha256(config_text),
@@ -227,3 +227,39 @@ def test_the_driver_runs_the_successors_finals_when_a_winner_is_withdrawn_mid_ru
                        ew.read_records(results / "final_fashion_mnist.jsonl"), [0, 1, 2])[0]
     assert row["winner"][key] == successor and row["seeds_done"] == 3
     assert row["withdrawn"] and row["withdrawn"][0][0][key] == best
+
+
+def test_mnist_runs_the_same_comparison_on_its_own_validation_data_and_files(tmp_path, monkeypatch, capsys) -> None:
+    """``--dataset mnist --root DIR``: the candidates and winners are MNIST configs, every run is told the root,
+    and the records, winners and report are MNIST's own (the Fashion-MNIST ones are not touched)."""
+    e = ew.ENTRIES["ditto_w16"]
+    seen: list[tuple[str, str | None, str]] = []
+
+    def fake_run(config_text, config_file, seed, rounds, out_dir, threads, extra, root=None):
+        doc = yaml.safe_load(config_text)
+        seen.append((doc["data"]["dataset"], root, extra["stage"]))
+        rec = {**extra, "seed": seed, "rounds": rounds, "root": root, "config_sha256": ew._sha256(config_text),
+               "config_body_sha256": ew.body_sha256(config_text), "wall_s": 1.0}
+        lr = doc["model"]["algorithm"]["local_lr"]
+        return rec | {"acc_weighted": 0.9 - abs(lr - 0.03), "acc_worst10": 0.5, "new_acc_weighted": 0.8,
+                      "best_acc_weighted": 0.9, "curve": [[1000, 0.9, 0.5, 0.8]], "per_client_acc": [0.9]}
+
+    monkeypatch.setattr(ew, "_run", fake_run)
+    monkeypatch.setattr(ew, "REPO", tmp_path)
+    with pytest.raises(SystemExit):
+        ew.main(["--entries", e.key, "--dataset", "mnist"])
+    assert "--dataset mnist needs --root DIR" in capsys.readouterr().err
+    results = tmp_path / "results"
+    ew.main(["--entries", e.key, "--jobs", "1", "--dataset", "mnist", "--root", str(tmp_path / "mnist"),
+             "--results", str(results), "--report-dir", str(tmp_path / "report"), "--runs", str(tmp_path / "runs")])
+    assert seen and {(d, r) for d, r, _ in seen} == {("mnist", str(tmp_path / "mnist"))}
+    assert sorted(stage for *_, stage in seen) == ["final"] * 3 + ["sweep"] * 3
+    assert not (results / "sweep_fashion_mnist.jsonl").exists() and (results / "sweep_mnist.jsonl").exists()
+    winner = tmp_path / "configs/paper/equal_work_mnist" / f"{e.key}.yaml"
+    text = winner.read_text()
+    assert yaml.safe_load(text)["data"]["dataset"] == "mnist" and "--data.root DIR" in text
+    assert yaml.safe_load(text)["model"]["algorithm"]["local_lr"] == 0.03
+    assert not (tmp_path / ew.WINNER_DIR).exists()
+    md = (tmp_path / "report" / "equal_work_mnist.md").read_text()
+    assert md.startswith("# Every algorithm at equal work, tuned on validation data (MNIST")
+    assert (results / "equal_work_mnist_curves.png").exists()
