@@ -198,7 +198,8 @@ def _entries() -> list[Entry]:
               _lr(values=[0.005, 0.02, 0.05]), evaluation="personal model θ_i", plugin="fedmeta-pfedme"),
         Entry("mocha_linear", "MOCHA (linear model, 640 SDCA steps)",
               {"name": "mocha", "loss": "hinge", "lambda2": 0.1, "local_iters": 640, "budget_spread": 0.0,
-               "omega_every": 10, "fit_bias": True}, _lr("algorithm.lambda1", [0.1, 1.0, 10.0]),
+               "omega_every": 10, "sigma_warm_start": "primal", "fit_bias": True},
+              _lr("algorithm.lambda1", [0.1, 1.0, 10.0]),
               network=LINEAR, evaluation="personal linear model"),
     ]
     return out

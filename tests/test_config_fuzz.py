@@ -248,6 +248,7 @@ ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
               "lambda2": Option(between(0.0, 2.0), below(0.0) | NAN | st.just(math.inf)),
               "local_iters": int_at_least(1, 20), "budget_spread": Option(between(0.0, 0.9), below(0.0) | above(
                   0.999) | NAN), "omega_every": int_at_least(0), "sigma_prime": optional(positive_finite()),
+              "sigma_warm_start": Option(st.sampled_from(["primal", "dual"]), text_not_in(["primal", "dual"])),
               "fit_bias": Option(st.booleans(), None, NO_INVALID_BOOL),
               "seed": Option(st.integers(0, 2**31), None, "any integer is a seed")},
     "mtl_graph": {"lam": nonnegative_finite(),

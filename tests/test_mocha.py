@@ -177,6 +177,52 @@ def test_mocha_alternating_omega_updates_keep_gap_finite_and_sigma_normalised() 
     assert torch.isfinite(module.server_state["duality_gap"])
 
 
+def _round(module: FederatedModule, r: int) -> tuple[dict, dict]:
+    """One round of ``run_mocha``'s loop: (server state before, server state after)."""
+    alg = module.algorithm
+    before = {k: v.clone() for k, v in module.server_state.items()}
+    sampled, out, weights = module.compute_round(r)
+    params = module._global_params()
+    delta, after = alg.aggregate(params, out, weights, module.server_state, module.records(sampled))
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            p.add_(delta[name])
+    module.commit_round(sampled, out, after)
+    return before, after
+
+
+@pytest.mark.parametrize("warm_start", ["primal", "dual"])
+def test_mocha_sigma_step_keeps_the_task_models_or_the_duals(warm_start: str) -> None:
+    """At a Σ step (round 3 of ``omega_every=3``), the primal warm start (the default, the authors' code) keeps
+    W: W_new = W_old + ½ M_old ΔV, the round's update under the M the clients used, and later rounds add
+    ½ M_new ΔV; the dual warm start (the paper's Algorithm 1 read literally) jumps to W = ½ M_new V."""
+    alg = Mocha(loss="hinge", lambda1=1.0, lambda2=0.1, local_iters=20, omega_every=3, sigma_warm_start=warm_start)
+    module = run_mocha(alg, 2)
+    before, after = _round(module, 2)
+    assert not torch.allclose(after["Sigma"], before["Sigma"])  # the Σ step happened
+    dv = after["V"] - before["V"]
+    kept = before["W"] + 0.5 * torch.einsum("ts,s...->t...", before["M"], dv)
+    jumped = 0.5 * torch.einsum("ts,s...->t...", after["M"], after["V"])
+    if warm_start == "primal":
+        torch.testing.assert_close(after["W"], kept, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(after["W"], jumped, atol=1e-3)
+    else:
+        torch.testing.assert_close(after["W"], jumped, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(after["W"], kept, atol=1e-3)
+    before, after = _round(module, 3)  # a round without a Σ step: W moves by ½ M ΔV, M unchanged
+    torch.testing.assert_close(after["M"], before["M"])
+    step = 0.5 * torch.einsum("ts,s...->t...", before["M"], after["V"] - before["V"])
+    torch.testing.assert_close(after["W"], before["W"] + step, atol=1e-5, rtol=1e-5)
+
+
+def test_mocha_warm_starts_agree_while_sigma_is_fixed() -> None:
+    """Without a Σ step the offset B stays zero and both warm starts give the same W = ½ M V, bit for bit."""
+    runs = [run_mocha(Mocha(local_iters=15, omega_every=0, sigma_warm_start=w), 3, fixed_sigma())
+            for w in ("primal", "dual")]
+    assert torch.equal(runs[0].server_state["W"], runs[1].server_state["W"])
+    assert not runs[0].server_state["B"].any()
+
+
 def test_mocha_loop_and_vmap_agree() -> None:
     sigma = fixed_sigma()
     runs = [run_mocha(Mocha(local_iters=15, budget_spread=0.5, omega_every=2), 3, sigma, b) for b in ("loop", "vmap")]
@@ -209,7 +255,7 @@ def test_mocha_personal_model_is_the_task_row() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [{"loss": "logistic"}, {"lambda1": 0.0, "lambda2": 0.0}, {"local_iters": 0}, {"budget_spread": 1.0},
-     {"omega_every": -1}, {"sigma_prime": 0.0}],
+     {"omega_every": -1}, {"sigma_prime": 0.0}, {"sigma_warm_start": "both"}],
 )
 def test_mocha_rejects_bad_hyperparameters(kwargs: dict) -> None:
     with pytest.raises(ValueError):

@@ -21,9 +21,18 @@ Each round, client t approximately maximises its local quadratic model of D (pap
 with ``local_iters`` SDCA coordinate steps (a random permutation of its samples drawn from
 (seed, round, client); with ``budget_spread = s > 0`` client t only takes ⌈H(1 − s u)⌉ steps,
 u ~ U[0, 1) drawn the same way: the paper's systems heterogeneity), and uploads Δv_t = X_tᵀΔα.
-The server sets v_t ← v_t + Δv_t and W = ½ M V. σ' = max_t Σ_s |M_ts| / M_tt (safe for additive
+The server sets v_t ← v_t + Δv_t and W = ½ M V + B. σ' = max_t Σ_s |M_ts| / M_tt (safe for additive
 aggregation, as the reference code's ρ) unless given. Σ is re-estimated every ``omega_every``
 rounds (0 = keep it fixed).
+
+What a Σ step keeps (``sigma_warm_start``): with ``"primal"`` (the default, as the authors' MATLAB code,
+gingsmith/fmtl ``run_mocha.m``, which adds each round's update to W and never recomputes it) the task
+models W are unchanged by the step: the offset B ← W − ½ M_new V absorbs the change of M, and later
+rounds move W by ½ M_new ΔV. With ``"dual"`` (Algorithm 1 read literally) B stays 0, the duals α are
+kept and W jumps to ½ M_new V. Both are identical while Σ is fixed (B = 0). The jump can be large: on the
+Per-FedAvg paper's Fashion-MNIST split (10 one-vs-rest SVMs, 45 clients), ``"dual"`` fell from 88 % to
+53 % validation accuracy within 30 rounds of ``omega_every=10`` while ``"primal"`` kept 88 %
+(docs/algorithms/mocha.md).
 
 SDCA steps for coordinate i (q = σ' M_tt ‖x_i‖² / 2, w̃ = w_t + (σ' M_tt / 2) X_tᵀΔα):
     hinge   ℓ(z, y) = max(0, 1 − yz):   α_i y_i ← clip(α_i y_i + (1 − y_i w̃ᵀx_i) / q, 0, 1),
@@ -38,9 +47,11 @@ largest score (the reported loss is the cross-entropy of those scores).
 
 Federated shape: the client state holds the dual variables α_t (padded to the largest client
 and masked); a client finds its task row through its record (``client.index``). The server state
-holds V, W, Σ, M, σ', the clients' weights ``p`` and ``training`` mask, the round number and
+holds V, W, the offset B, Σ, M, σ', the clients' weights ``p`` and ``training`` mask, the round number and
 each client's latest local gap (``gap [K]``); ``duality_gap`` is their sum — the exact gap of the
-iterate of the round when every client took part in it.
+iterate of the round when every client took part in it and W = ½ M V (Σ fixed, or the dual warm start);
+after a primal-warm-started Σ step (B ≠ 0) it is the same sum at the received W, a progress measure
+rather than a certificate.
 
 Held-out clients: a task without training data has v_t = 0, and Σ is estimated from the training
 clients' task models only, with the held-out tasks in a separate ``I/K`` block, so they stay
@@ -118,6 +129,10 @@ class Mocha(Algorithm):
         local_iters: H >= 1, SDCA coordinate steps per client and round (the local budget).
         budget_spread: s in [0, 1): client t's budget is ⌈H(1 − s u_t)⌉, u_t drawn per round.
         omega_every: re-estimate Σ every this many rounds (0 = keep Σ fixed, initially I/K).
+        sigma_warm_start: what a Σ step keeps. ``"primal"`` (the authors' code): the task models W stay as
+            they are and later rounds add ``½ M ΔV`` to them (W = ½ M V + B, the offset B absorbing the
+            change of M). ``"dual"`` (the paper's Algorithm 1 read literally): the duals α stay and W jumps
+            to ``½ M_new V``. Both are the same while Σ is fixed.
         sigma_prime: σ' of the local subproblems (None = max_t Σ_s |M_ts| / M_tt, always safe).
         fit_bias: learn the model's bias as the weight of a constant feature (if the model has one).
         seed: seed of the SDCA coordinate orders and budgets.
@@ -147,6 +162,7 @@ class Mocha(Algorithm):
         local_iters: int = 100,
         budget_spread: float = 0.0,
         omega_every: int = 10,
+        sigma_warm_start: Literal["primal", "dual"] = "primal",
         sigma_prime: float | None = None,
         fit_bias: bool = True,
         seed: int = 0,
@@ -163,6 +179,8 @@ class Mocha(Algorithm):
         check_range("budget_spread", budget_spread, 0.0, 0.999)
         if isinstance(omega_every, bool) or not isinstance(omega_every, int) or omega_every < 0:
             raise ValueError(f"omega_every must be an integer >= 0 (0 = fixed), got {omega_every!r}")
+        if sigma_warm_start not in ("primal", "dual"):
+            raise ValueError(f"sigma_warm_start must be 'primal' or 'dual', got {sigma_warm_start!r}")
         if sigma_prime is not None and not 0 < sigma_prime < float("inf"):
             raise ValueError(f"sigma_prime must be > 0 (or None for the safe default), got {sigma_prime!r}")
         self.loss = loss
@@ -171,6 +189,7 @@ class Mocha(Algorithm):
         self.local_iters = local_iters
         self.budget_spread = budget_spread
         self.omega_every = omega_every
+        self.sigma_warm_start = sigma_warm_start
         self.sigma_prime = sigma_prime
         self.fit_bias = fit_bias
         self.seed = seed
@@ -244,6 +263,7 @@ class Mocha(Algorithm):
         return self._with_sigma(
             {
                 "V": torch.zeros(shape, dtype=dtype),
+                "B": torch.zeros(shape, dtype=dtype),
                 "p": self._weights.to(dtype),
                 "training": self._training.clone(),
                 "round": torch.tensor(0, dtype=torch.long),
@@ -253,8 +273,13 @@ class Mocha(Algorithm):
             sigma,
         )
 
-    def _with_sigma(self, server_state: dict[str, Tensor], sigma: Tensor) -> dict[str, Tensor]:
-        """Server state with task covariance Σ, and M, σ', W = ½ M V recomputed from it."""
+    def _with_sigma(self, server_state: dict[str, Tensor], sigma: Tensor, new_sigma: bool = False
+                    ) -> dict[str, Tensor]:
+        """Server state with task covariance Σ, and M, σ', W = ½ M V + B recomputed from it.
+
+        ``new_sigma`` marks a Σ step: with ``sigma_warm_start="primal"`` the offset B is reset so that W keeps
+        its value (B = W_old − ½ M_new V); with ``"dual"`` B stays zero and W jumps to ½ M_new V.
+        """
         v = server_state["V"]
         m, sp = dual_scaling(sigma, self.lambda1, self.lambda2)
         if self.sigma_prime is not None:
@@ -263,7 +288,14 @@ class Mocha(Algorithm):
         out["Sigma"] = sigma.to(torch.float64)
         out["M"] = m.to(v.dtype)
         out["sigma_prime"] = sp.to(v.dtype)
-        out["W"] = 0.5 * weighted_sum(m, v)  # W_t = ½ Σ_s M_ts V_s
+        dual_w = 0.5 * weighted_sum(m, v)  # ½ Σ_s M_ts V_s
+        offset = server_state.get("B")
+        if offset is None:  # a server state from before the offset existed: no Σ step kept W yet
+            offset = torch.zeros_like(v)
+        if new_sigma and self.sigma_warm_start == "primal" and "W" in server_state:
+            offset = server_state["W"] - dual_w
+        out["B"] = offset
+        out["W"] = dual_w + offset
         return out
 
     def set_task_covariance(self, server_state: dict[str, Tensor], sigma: Tensor) -> dict[str, Tensor]:
@@ -277,7 +309,7 @@ class Mocha(Algorithm):
         s = sigma.double()
         if not torch.allclose(s, s.t()) or bool(torch.linalg.eigvalsh(s).min() <= 0):
             raise ValueError("sigma must be symmetric positive definite")
-        return self._with_sigma(server_state, s)
+        return self._with_sigma(server_state, s, new_sigma=True)
 
     # -- client --------------------------------------------------------------------------------
     def _loss_terms(self, z: Tensor, ypm: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
@@ -370,11 +402,11 @@ class Mocha(Algorithm):
         state["duality_gap"] = state["gap"].sum()
         rounds_done = int(server_state["round"]) + 1
         state["round"] = torch.tensor(rounds_done, dtype=torch.long)
-        sigma = server_state["Sigma"]
+        state = self._with_sigma(state, server_state["Sigma"])  # W = ½ M V + B with this round's V
         if self.omega_every > 0 and rounds_done % self.omega_every == 0:
-            w_now = 0.5 * weighted_sum(server_state["M"], state["V"])
+            w_now = state["W"]
             sigma = self._task_covariance(w_now.reshape(w_now.shape[0], -1), server_state["training"])
-        state = self._with_sigma(state, sigma)
+            state = self._with_sigma(state, sigma, new_sigma=True)
         mean_model = self._to_params(self._mean_task_model(state), params)
         return {name: mean_model[name].to(p.dtype) - p for name, p in params.items()}, state
 
