@@ -42,13 +42,7 @@ def run_mocha(alg: Mocha, rounds: int, sigma: torch.Tensor | None = None, batchi
     if sigma is not None:
         module.server_state = alg.set_task_covariance(module.server_state, sigma)
     for r in range(rounds):
-        sampled, out, weights = module.compute_round(r)
-        params = module._global_params()
-        delta, new_server_state = alg.aggregate(params, out, weights, module.server_state, module.records(sampled))
-        with torch.no_grad():
-            for name, p in module.model.named_parameters():
-                p.add_(delta[name])
-        module.commit_round(sampled, out, new_server_state)
+        _round(module, r)
     return module
 
 
