@@ -60,6 +60,7 @@ from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
 from lightning_fedmeta.execution import choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.loop.server import apply_server_step
 from lightning_fedmeta.module import FederatedModule
 from lightning_fedmeta.registry import create_algorithm
 from lightning_fedmeta.sampling import stable_seed
@@ -483,22 +484,21 @@ def _compare_trees(
             check.fail(f"{what}{key} {kind}: {_first_difference(x, y)} ({names[0]} vs {names[1]})")
 
 
-def _apply(module: FederatedModule, delta: Params) -> None:
-    """The default server step ``SGD(lr=server_lr)``: ``w ← w + server_lr · Δ``."""
+def _server_optimizer(module: FederatedModule) -> torch.optim.Optimizer:
+    """The default server optimizer ``SGD(lr=server_lr)`` (stateless: a fresh one each round is the same)."""
     assert module.model is not None
-    with torch.no_grad():
-        for name, p in module.model.named_parameters():
-            p.add_(delta[name].to(p.dtype), alpha=module.server_lr)
+    return torch.optim.SGD(module.model.parameters(), lr=module.server_lr)
 
 
 def _plain_round(module: FederatedModule, r: int) -> tuple[Tensor, ClientOutput, Params, dict[str, Tensor]]:
-    sampled, out, weights = module.compute_round(r)
-    result = module.algorithm.aggregate(module._global_params(), out, weights, module.server_state,
-                                        module.records(sampled))
-    delta, server_state = result
-    _apply(module, delta)
-    module.commit_round(sampled, out, server_state)
-    return sampled, out, delta, server_state
+    """Round ``r`` through the engine's phases (compute, combine, server step, commit), without a Trainer."""
+    result = module.engine.compute(r)
+    assert result is not None, f"round {r}: no client answered"
+    uploads = module.engine.combine(result)
+    assert uploads is not None and uploads.update is not None
+    apply_server_step(_server_optimizer(module), module.model, uploads.update.delta)
+    module.engine.commit(result, uploads.update.server_state)
+    return result.clients, result.output, uploads.update.delta, uploads.update.server_state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,7 +537,9 @@ def _check_round(setup: _Setup, rounds: int = 2) -> None:
             params = module._global_params()
             before = (_clone(params), _clone(module.server_state), _clone(module.client_states.tensors))
             seen_before = module.seen.clone()
-            sampled, out, weights = module.compute_round(r)
+            result = module.engine.compute(r)
+            assert result is not None
+            sampled, out, weights = result
             validate_client_output(alg, out, params, module.client_states.tensors, sampled.numel(),
                                    strict_dtypes=True, check_finite=True)
             for what, old, now in zip(("the global parameters", "the server state", "the client state store"),
@@ -550,13 +552,14 @@ def _check_round(setup: _Setup, rounds: int = 2) -> None:
                 check.fail(f"round {r} sampled {ids}, expected {module.num_sampled} distinct clients")
             if bool(module.is_holdout[sampled].any()):
                 check.fail(f"round {r} sampled a held-out client: {ids}")
-            result = alg.aggregate(params, out, weights, module.server_state, module.records(sampled))
-            validate_aggregate_output(alg, result, params, module.server_state, strict_dtypes=True,
+            uploads = module.engine.combine(result)
+            assert uploads is not None and uploads.update is not None
+            delta, server_state = uploads.update.delta, uploads.update.server_state
+            validate_aggregate_output(alg, (delta, server_state), params, module.server_state, strict_dtypes=True,
                                       check_finite=True)
-            delta, server_state = result
             store_before = flatten_state(_clone(module.client_states.tensors))
-            _apply(module, delta)
-            module.commit_round(sampled, out, server_state)
+            apply_server_step(_server_optimizer(module), module.model, delta)
+            module.engine.commit(result, server_state)
             # write-back: the sampled clients' rows are their new state, the other rows are untouched
             returned = flatten_state(out.state)
             for name, rows in flatten_state(module.client_states.tensors).items():

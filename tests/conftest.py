@@ -50,20 +50,10 @@ def one_client(num_samples: int = 10, index: int = 0, weight: float = 1.0, seen:
 
 
 def run_plain_rounds(module: FederatedModule, rounds: int, first: int = 0) -> list[Tensor]:
-    """Rounds ``first .. first + rounds − 1`` as ``training_step`` runs them with ``SGD(lr=1)``, without a
-    Trainer: w ← w + Δ, then states, server state and ``seen`` written back. Returns the sampled clients."""
-    sampled_per_round = []
-    for r in range(first, first + rounds):
-        sampled, out, weights = module.compute_round(r)
-        delta, server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, module.records(sampled)
-        )
-        with torch.no_grad():
-            for name, p in module.model.named_parameters():
-                p.add_(delta[name])
-        module.commit_round(sampled, out, server_state)
-        sampled_per_round.append(sampled)
-    return sampled_per_round
+    """Rounds ``first .. first + rounds − 1`` through the round engine without a Trainer, with the server
+    optimizer ``SGD(lr=1)`` (w ← w + Δ). Returns each round's clients."""
+    optimizer = torch.optim.SGD(module.model.parameters(), lr=1.0)
+    return [module.engine.run_round(r, optimizer).clients for r in range(first, first + rounds)]
 
 
 def tiny_data(num_clients: int = 6, seed: int = 0) -> FederatedData:

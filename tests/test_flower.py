@@ -122,14 +122,7 @@ def in_process(cfg_path: Path, **module_kwargs: Any) -> Any:
     cfg = load_config(cfg_path)
     dm = cfg.datamodule()
     dm.setup("fit")
-    module = cfg.reference_module(cfg.build_model(data_spec_of(dm.federated_data)))
-    for key, value in module_kwargs.items():
-        setattr(module, key, value)
-    if module_kwargs:
-        from lightning_fedmeta.reliability import Reliability
-
-        module.reliability = Reliability.from_options(module_kwargs.get("client_dropout", 0.0), 0.0, None, None,
-                                                      None, None)
+    module = cfg.reference_module(cfg.build_model(data_spec_of(dm.federated_data)), **module_kwargs)
     make_trainer(ROUNDS, limit_val_batches=0).fit(module, datamodule=dm)
     return module
 
@@ -190,6 +183,40 @@ def test_deployment_equals_in_process(name: str, tmp_path: Path) -> None:
         for pid in server.seen.nonzero().flatten().tolist():
             ref_row = {k: v[pid] for k, v in flatten_state(reference.client_states.tensors).items()}
             assert max_diff(flatten_state(client_state(tmp_path, server, pid)), ref_row) < 1e-5
+
+
+SERVER_STAGES = {
+    "median": "  aggregator: median",
+    "dp_adaptive": "  aggregation: uniform\n          dp: {clip: 0.05, noise_multiplier: 0.2, adaptive_clip: true}",
+}
+
+
+@pytest.mark.parametrize("stage", list(SERVER_STAGES))
+def test_deployment_with_robust_rule_or_dp_equals_in_process(stage: str, tmp_path: Path) -> None:
+    """model.aggregator and model.dp deploy: the ServerApp runs the simulator's server pipeline, so the global
+    model (DP noise and adaptive clipping included) and the summaries (worst decile included) are the
+    in-process run's."""
+    cfg_path = write_config(tmp_path, ALGORITHMS["fedavg"], extra=SERVER_STAGES[stage])
+    reference = in_process(cfg_path)
+    server, _ = deployed(cfg_path, tmp_path)
+    ref_params = {n: p.detach() for n, p in reference.model.named_parameters()}
+    assert max_diff(ref_params, server.init_params) > 1e-3
+    assert max_diff(ref_params, server.params()) < 1e-5
+    if stage == "dp_adaptive":
+        assert all("dp" in entry for entry in server.history)
+        assert server.dp_clip != 0.05 and server.dp_clip == pytest.approx(float(reference.dp_clip), rel=1e-6)
+        (tmp_path / "plain").mkdir()
+        noiseless, _ = deployed(write_config(tmp_path / "plain", ALGORITHMS["fedavg"], extra=SERVER_STAGES[stage]
+                                             .replace("noise_multiplier: 0.2", "noise_multiplier: 0.0")),
+                                tmp_path / "plain")
+        assert max_diff(noiseless.params(), server.params()) > 1e-4  # the noise moved the model
+    evaluated = server.history[-1]["evaluate"]
+    reference.evaluator.metric.reset()
+    reference.evaluator.metric.update(torch.arange(NUM_CLIENTS),
+                                      reference.evaluate_clients(torch.arange(NUM_CLIENTS), ROUNDS))
+    summary = reference.evaluator.metric.summaries(reference.engine.federation.summary_groups())
+    for key in ("acc_weighted", "acc_mean", "acc_worst10", "loss_worst10"):
+        assert evaluated[key] == pytest.approx(float(summary["clients"][key]), abs=1e-5), key
 
 
 def test_failed_reply_aggregates_survivors(tmp_path: Path) -> None:

@@ -287,15 +287,14 @@ def test_fednova_normalises_by_each_clients_steps() -> None:
                              clients_per_round=4, local_steps_dist=budgets, aggregator="fednova",
                              compile_clients=False, seed=9)
     module.attach_data(data)
-    sampled, out, weights = module.compute_round(0)
+    result = module.engine.compute(0)
+    sampled, out, weights = result
     steps = torch.tensor([budgets[c] for c in sampled.tolist()], dtype=torch.float64)
     p = data.train_counts[sampled].double()
     p = p / p.sum()
-    params = module._global_params()
-    (delta, _), _ = module.reliability.combine(
-        module.algorithm, params, out, weights, module.server_state, module.records(sampled), seed=9, round_idx=0,
-        byzantine=torch.zeros(4, dtype=torch.bool), steps=module.round_steps(0, sampled), cohort=4, clip=math.inf,
-    )
+    combined = module.engine.combine(result)
+    assert combined is not None and combined.update is not None
+    delta = combined.update.delta
     tau_eff = float((p * steps).sum())
     for k, v in out.delta.items():
         expected = tau_eff * sum(p[i] * v[i].double() / steps[i] for i in range(4))

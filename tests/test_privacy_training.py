@@ -132,14 +132,11 @@ def test_one_clients_contribution_is_bounded_by_the_clip() -> None:
         module = _module(dp)
         module.attach_data(data)
         before = _params(module)
-        sampled_, out, weights = module.compute_round(0)
-        combined = module.reliability.combine(
-            module.algorithm, before, out, weights, module.server_state, module.records(sampled_), seed=SEED,
-            round_idx=0, byzantine=torch.zeros(COHORT, dtype=torch.bool), steps=module.round_steps(0, sampled_),
-            cohort=COHORT, clip=clip if dp is not None else math.inf,
-        )
-        assert combined is not None
-        return combined[0][0]
+        result = module.engine.compute(0)
+        assert result is not None and _params(module).keys() == before.keys()
+        combined = module.engine.combine(result, clip=clip if dp is not None else math.inf)
+        assert combined is not None and combined.update is not None
+        return combined.update.delta
 
     def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         return float(torch.cat([(a[k] - b[k]).reshape(-1) for k in a]).norm())

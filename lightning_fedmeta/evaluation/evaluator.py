@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.evaluation.scoring import score_client
 from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Batch, Params
 from lightning_fedmeta.loop.engine import RoundEngine
@@ -58,21 +59,12 @@ class Evaluator:
     # ------------------------------------------------------------------------------------------
     def _eval_fn(self, params: Params, server_state: dict[str, Tensor], adapt: Batch, test: Batch,
                  state: dict[str, Tensor], record: ClientRecord, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
-        """One client's personalised model scored on its padded test set: masked sums of the loss and of each
-        built-in metric, the number of real samples, and (with torchmetrics metrics) the outputs."""
+        """One client's personalised model scored on its padded test set (:func:`score_client`), with its
+        BatchNorm statistics."""
         engine = self.engine
         ctx = engine.ctx.for_client(buffers) if buffers else engine.ctx
-        w = engine.algorithm.personalize(ctx, params, adapt, state, server_state, record)
-        outputs = ctx.predict(w, test.x)
-        losses = ctx.per_sample_loss(outputs, test.y)
-        mask = test.mask.to(losses.dtype)
-        result = {"total": mask.sum(), "loss_sum": (losses * mask).sum()}
-        functions = self.metric.builtin_functions()
-        if functions:
-            result["builtin"] = torch.stack([(f(outputs, test.y).to(mask.dtype) * mask).sum() for f in functions])
-        if self.metric.needs_outputs:
-            result["outputs"] = outputs
-        return result
+        return score_client(ctx, engine.algorithm, params, server_state, adapt, test, state, record,
+                            self.metric.builtin_functions(), self.metric.needs_outputs)
 
     def chunk_size(self) -> int:
         """``client_chunk_size``, or ``max(clients per round, 100)`` when that is ``None``."""
