@@ -26,23 +26,17 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.algorithms.base import Algorithm
+from lightning_fedmeta.checkpoint_state import restore_module_state, save_module_state
 from lightning_fedmeta.checkpointing import (
-    VERIFIED_MARK,
-    check_resume_settings,
-    fedmeta_run_record,
     install_atomic_checkpoint_io,
     load_module_checkpoint,
-    loading_path,
-    seal_checkpoint,
-    verify_checkpoint,
 )
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.evaluation import Evaluator, format_summary
 from lightning_fedmeta.execution import ClientBatching
 from lightning_fedmeta.facade import Forward
-from lightning_fedmeta.functional import Batch, Params
-from lightning_fedmeta.loop import CompilePolicy, Federation, RankSplit, RoundEngine, RoundReport, StoreLocation
+from lightning_fedmeta.loop import CompilePolicy, Federation, RankSplit, RoundEngine, StoreLocation
 from lightning_fedmeta.losses import DEFAULT_LOSS, PerSampleLoss, loss_name, resolve_loss
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics, MetricSpec
 from lightning_fedmeta.options import (
@@ -57,6 +51,7 @@ from lightning_fedmeta.options import (
 from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.privacy_budget import PrivacyBudget
 from lightning_fedmeta.reliability import Reliability
+from lightning_fedmeta.round_logging import log_round, log_summary
 
 __all__ = ["FederatedModule", "FederatedSetupError", "format_summary"]
 
@@ -136,33 +131,6 @@ class FederatedModule(LightningModule):
     The reliability options (the last six) and the combinations refused at setup: docs/reliability.md.
     """
 
-    # the state lives in the engine, the federation and the evaluator; these names are the module's API
-    algorithm = Forward("engine")
-    data = Forward("engine")
-    client_states = Forward("engine")
-    server_state = Forward("engine")
-    batching = Forward("engine")
-    ctx = Forward("engine")
-    seen = Forward("engine.federation")
-    holdout = Forward("engine.federation")
-    is_holdout = Forward("engine.federation")
-    eligible = Forward("engine.federation")
-    client_weight = Forward("engine.federation")
-    num_sampled = Forward("engine.federation")
-    num_candidates = Forward("engine.federation")
-    byzantine_clients = Forward("engine.federation")
-    client_buffers = Forward("engine.running", "store")
-    stat_names = Forward("engine.running", "names")
-    compiler = Forward("engine.compile")
-    compile_decision = Forward("engine.compile", "decision")
-    metric = Forward("evaluator")
-    metric_directions = Forward("evaluator")
-    primary_metric = Forward("evaluator")
-    last_summary = Forward("evaluator")
-    last_summary_round = Forward("evaluator")
-    last_per_client = Forward("evaluator")
-    last_evaluated = Forward("evaluator")
-
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -217,12 +185,14 @@ class FederatedModule(LightningModule):
         self.save_hyperparameters(ignore=ignore)
         self.model = model
         self.clients_per_round, self.fraction, self.aggregation = clients_per_round, fraction, aggregation
-        self.server_lr, self.server_optimizer, self.server_lr_scheduler = server_lr, server_optimizer, server_lr_scheduler
+        self.server_lr, self.server_optimizer = server_lr, server_optimizer
+        self.server_lr_scheduler = server_lr_scheduler
         self.client_batching, self.client_chunk_size, self.compile_clients = (client_batching, client_chunk_size,
                                                                               compile_clients)
         self.holdout_clients, self.seed, self.loss = holdout_clients, seed, loss
         self.metrics = dict(metrics) if metrics is not None else None
-        self.client_dropout, self.over_selection, self.local_steps_dist = client_dropout, over_selection, local_steps_dist
+        self.client_dropout, self.over_selection = client_dropout, over_selection
+        self.local_steps_dist = local_steps_dist
         self.aggregator, self.byzantine, self.dp = aggregator, byzantine, dp
         self.client_state = client_state
         self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
@@ -293,11 +263,7 @@ class FederatedModule(LightningModule):
         self._placed_on = self.device
 
     def _ranks(self) -> RankSplit:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return RankSplit()
-        strategy = self.trainer.strategy
-        return RankSplit(self.trainer.world_size, self.trainer.global_rank,
-                         lambda t: strategy.reduce(t, reduce_op="sum"))
+        return RankSplit.of(self.trainer) if self._trainer is not None else RankSplit()
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "setup() must run before configure_optimizers()"
@@ -321,33 +287,8 @@ class FederatedModule(LightningModule):
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()  # type: ignore[union-attr]
-        self._log_round(report)
+        log_round(self, report)
         return report.loss if report.loss is not None else torch.zeros((), device=self.device)
-
-    def _log_round(self, report: RoundReport) -> None:
-        r, step = report.round_idx, {"on_step": True, "on_epoch": False, "batch_size": 1}
-        if report.skipped is not None:
-            self.log("clients", 0.0, prog_bar=True, **step)
-            self.log("round", float(r + 1), **step)
-            return
-        if self._logs_round(r):
-            for k, v in report.metrics.items():
-                self.log(f"train/{k}", v, prog_bar=(k == "loss"), **step)
-            self.log("clients", float(report.clients.numel()), prog_bar=True, **step)
-            self.log("round", float(r + 1), **step)
-            for k, value in (report.privacy.logged() if report.privacy is not None else {}).items():
-                self.log(k, float(value), **step)
-        if self.reliability.dp is not None:
-            self.log("privacy/epsilon", self.epsilon_spent(r + 1), prog_bar=True, **step)
-
-    def _logs_round(self, round_idx: int) -> bool:
-        """Whether round ``round_idx`` logs its training metrics: the rounds a logger writes with
-        ``log_every_n_steps = n`` (round ≡ 0 or n − 1 mod n) and the last round (each ``self.log`` costs ~0.5 ms)."""
-        if self._trainer is None:
-            return True
-        n = max(1, int(self.trainer.log_every_n_steps or 1))
-        last = self.trainer.max_steps is not None and 0 < self.trainer.max_steps <= round_idx + 1
-        return n == 1 or last or round_idx % n == 0 or (round_idx + 1) % n == 0
 
     def _rounds_left(self, next_round: int) -> int | None:
         """Rounds this fit still runs from ``next_round`` (None when the Trainer has no step limit)."""
@@ -359,29 +300,13 @@ class FederatedModule(LightningModule):
         """Rounds trained so far: ``global_step``, or the loaded checkpoint's round under ``test``/``validate``."""
         return max(int(self.global_step), self._loaded_round)
 
-    # the engine's phases under their historical names (the testing kit and users' scripts call them)
     def compute_round(self, round_idx: int) -> Any:
         """The round's clients, outputs and weights (``(clients, None, None)`` when none answers)."""
         result = self.engine.compute(round_idx)
         return result if result is not None else (torch.zeros(0, dtype=torch.long), None, None)
 
-    def commit_round(self, sampled: Tensor, out: ClientOutput, server_state: dict[str, Tensor]) -> None:
-        self.engine.commit_output(sampled, out, server_state)
-
-    def records(self, clients: Tensor, device: torch.device | None = None) -> ClientRecord:
-        return self.engine.records(clients, self.device if device is None else device)
-
-    def round_clients(self, round_idx: int) -> Tensor:
-        return self.engine.federation.round_clients(round_idx)
-
     def round_steps(self, round_idx: int, clients: Tensor) -> Tensor:
         return self.engine.federation.round_steps(round_idx, clients, self.algorithm.round_plan().steps)
-
-    def _global_params(self) -> Params:
-        return self.engine.global_params()
-
-    def _batches(self, tag: str, round_idx: int, clients: Tensor, plan: Any) -> Batch:
-        return self.engine.gatherer.batches(tag, round_idx, clients, plan)
 
     # ------------------------------------------------------------------------------------------
     # differential privacy
@@ -411,14 +336,6 @@ class FederatedModule(LightningModule):
     # ------------------------------------------------------------------------------------------
     # personalised evaluation
     # ------------------------------------------------------------------------------------------
-    def evaluate_clients(self, clients: Tensor, round_idx: int) -> dict[str, Tensor]:
-        """Each listed client's personalised model scored on its test set, stacked (``total``, ``loss_sum``,
-        ``builtin`` and, with torchmetrics metrics, ``outputs``, ``targets``, ``mask``)."""
-        return self.evaluator.evaluate_clients(clients, round_idx)
-
-    def evaluation_clients(self, stage: str, sample_size: int | None = None) -> Tensor:
-        return self.evaluator.evaluation_clients(stage, sample_size)
-
     def accuracy_of(self, scores: dict[str, Tensor], key: str = "acc") -> Tensor:
         """Per-client values of built-in metric ``key`` from :meth:`evaluate_clients`' sums."""
         col = list(self.metric.builtin).index(key)
@@ -433,15 +350,8 @@ class FederatedModule(LightningModule):
     def _evaluate(self, stage: str, log: bool = True) -> dict[str, dict[str, Tensor]]:
         self._on_device()
         summary, evaluated, sampled = self.evaluator.run(stage, self._round(), self._eval_sample_size(), self._ranks())
-        for group, values in summary.items() if log else ():
-            if group.startswith("_"):
-                continue
-            prefix = f"{stage}/" if group == "clients" else f"{stage}/{group}/"
-            for name, v in values.items():
-                bar = group == "clients" and name == f"{self.primary_metric}_weighted"
-                self.log(prefix + name, v.float(), prog_bar=bar, batch_size=1, sync_dist=False)
-        if sampled and log:
-            self.log(f"{stage}/evaluated_clients", float(evaluated.numel()), batch_size=1, sync_dist=False)
+        if log:
+            log_summary(self, stage, summary, evaluated if sampled else None)
         return summary
 
     @property
@@ -474,10 +384,6 @@ class FederatedModule(LightningModule):
         path = self.write_per_client_csv(directory)
         rank_zero_info(f"per-client test accuracy written to {path}")
 
-    def write_per_client_csv(self, directory: str) -> str:
-        """Write ``test_per_client.csv``: one row per client the last evaluation scored."""
-        return self.evaluator.write_per_client_csv(directory)
-
     # ------------------------------------------------------------------------------------------
     # inference API
     # ------------------------------------------------------------------------------------------
@@ -503,18 +409,7 @@ class FederatedModule(LightningModule):
     # checkpoints
     # ------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["fedmeta"] = {
-            **self.engine.state_dict(int(self.global_step)),  # client and server state, seen, compile decision
-            **self.evaluator.state_dict(),  # the last evaluation's per-client metric states
-            "data_spec": self._data_spec,
-            "round": int(self.global_step),
-            "loss": getattr(self, "_loss_name", None),
-            # checkpoints load with weights_only=True, so the architecture is named, not pickled
-            "model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
-            # the algorithm (class, hyper-parameters), datamodule class and trainer settings, for resume checks
-            **fedmeta_run_record(self),
-        }
-        seal_checkpoint(checkpoint)  # last: Lightning's dump_checkpoint calls this hook after filling the rest
+        save_module_state(self, checkpoint)
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
@@ -529,37 +424,21 @@ class FederatedModule(LightningModule):
         return load_module_checkpoint(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get("fedmeta")
-        if saved is None:
-            raise ValueError("this checkpoint was not written by lightning_fedmeta.FederatedModule")
-        path = loading_path(self)
-        if not checkpoint.pop(VERIFIED_MARK, False):  # not verified on the raw file already
-            verify_checkpoint(checkpoint, path)
-        changed = check_resume_settings(self, checkpoint, path)  # refuses settings that must match
-        if changed:
-            rank_zero_info("[lightning_fedmeta] settings changed since the checkpoint (allowed): "
-                           + "; ".join(d.describe() for d in changed))
-        self._locate_store()
-        self.engine.load_state_dict(saved)
-        self._placed_on = None
-        self._data_spec = saved.get("data_spec")
-        self._loaded_round = int(checkpoint.get("global_step", 0))
-        # evaluating with other metrics: their states differ
-        metric_state = None if any(d.name == "model.metrics" for d in changed) else saved.get("metric_state")
-        self.evaluator.load_state_dict(metric_state, attached=self.data is not None)
-        trained_loss, current = saved.get("loss"), getattr(self, "_loss_name", None)
-        if trained_loss is not None and current is not None and trained_loss != current:
-            raise ValueError(f"this checkpoint was trained with loss {trained_loss!r}, this module uses {current!r}; "
-                             "pass the same loss again (FederatedModule.load_from_checkpoint(path, loss=...))")
-        if self.model is None and self._data_spec is not None:
-            self.model = self.engine.model = self._model_for(saved.get("model_class"))
+        restore_module_state(self, checkpoint)
 
-    def _model_for(self, trained: str | None) -> nn.Module:
-        """The default model of the checkpoint's data spec, refused if the checkpoint names another class."""
-        assert self._data_spec is not None
-        model = default_model_for(self._data_spec)
-        built = f"{type(model).__module__}.{type(model).__qualname__}"
-        if trained is not None and trained != built:
-            raise ValueError(f"this checkpoint was trained with model {trained}; pass the architecture again: "
-                             f"FederatedModule.load_from_checkpoint(path, model={trained.rsplit('.', 1)[-1]}(...))")
-        return model
+
+#: the module's attribute -> (the part that owns it, its name there): state and phases under their historical names
+_FORWARDED: dict[str, tuple[str, str]] = {
+    **{n: ("engine", n) for n in ("algorithm", "data", "client_states", "server_state", "batching", "ctx", "records")},
+    **{n: ("engine.federation", n) for n in ("seen", "holdout", "is_holdout", "eligible", "client_weight",
+                                             "num_sampled", "num_candidates", "byzantine_clients", "round_clients")},
+    **{n: ("evaluator", n) for n in ("metric", "metric_directions", "primary_metric", "last_summary",
+                                     "last_summary_round", "last_per_client", "last_evaluated", "evaluate_clients",
+                                     "evaluation_clients", "write_per_client_csv")},
+    "compiler": ("engine.compile", "compiler"), "compile_decision": ("engine.compile", "decision"),
+    "client_buffers": ("engine.running", "store"), "stat_names": ("engine.running", "names"),
+    "commit_round": ("engine", "commit_output"), "_global_params": ("engine", "global_params"),
+    "_batches": ("engine.gatherer", "batches"),
+}
+for _name, (_owner, _attr) in _FORWARDED.items():
+    setattr(FederatedModule, _name, Forward(_owner, _attr))

@@ -117,7 +117,8 @@ def check_options(*, clients_per_round: int | None, fraction: float | None, aggr
 
 def check_server_optimizer(algorithm: Algorithm, server_lr: float, server_optimizer: Any, scheduler: Any) -> None:
     """Refuse a server optimizer, scheduler or ``server_lr != 1`` for an algorithm whose server step is exact."""
-    if type(algorithm).server_optimizer_applies or (server_optimizer is None and server_lr == 1.0 and scheduler is None):
+    if type(algorithm).server_optimizer_applies or (server_optimizer is None and server_lr == 1.0
+                                                     and scheduler is None):
         return
     name = type(algorithm).name or type(algorithm).__name__
     raise ValueError(

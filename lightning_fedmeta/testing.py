@@ -366,6 +366,9 @@ def _setup(
     else:
         federated = from_client_tensors(dataset.client_data(), dataset.num_classes,
                                         getattr(dataset, "client_names", None))
+    example = type(make_algorithm()).example_model(tuple(federated.input_shape), int(federated.num_classes or 1))
+    if model is None and example is not None:
+        model = example
     if model is None:
         if len(federated.input_shape) != 1:
             raise ValueError(f"pass a model for inputs of shape {federated.input_shape} (the default is an MLP)")
@@ -878,7 +881,8 @@ def check_algorithm(
     Args:
         spec: a registered name (``"pfedme"``), a mapping ``{"name": ..., <hyper-parameters>}``, an
             :class:`~lightning_fedmeta.Algorithm` instance (deep-copied for every run) or subclass.
-        model: the network (deep-copied for every run), or a function building it. Default: :func:`tiny_mlp`.
+        model: the network (deep-copied for every run), or a function building it. Default: the algorithm's
+            :meth:`~lightning_fedmeta.Algorithm.example_model` if it declares one, else :func:`tiny_mlp`.
         data: a :class:`~lightning_fedmeta.FederatedDataset` or :class:`~lightning_fedmeta.FederatedData`.
             Default: :func:`tiny_clients` (8 clients of unequal sizes).
         clients_per_round: passed to :class:`~lightning_fedmeta.FederatedModule`.

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from lightning_fedmeta.registry import list_algorithms
+from lightning_fedmeta.registry import create_algorithm, list_algorithms
 from lightning_fedmeta.testing import check_algorithm
 
 #: extra hyper-parameters some algorithms need on this tiny problem
@@ -23,18 +23,24 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "fedmaml": {"alpha": 0.1},
     "cfl": {"warmup_rounds": 0, "eps1": 10.0, "eps2": 0.0},  # clusters split within the check's few rounds
 }
-#: algorithms defined for a linear model only
-LINEAR_ONLY = {"mocha"}
 
 
 def _names() -> list[str]:
     return sorted({entry.name for entry in list_algorithms()})
 
 
-def _kwargs(name: str) -> dict[str, Any]:
-    return {"model": nn.Linear(5, 3) if name in LINEAR_ONLY else None}
-
-
 @pytest.mark.parametrize("name", _names())
 def test_every_registered_algorithm_passes_check_algorithm(name: str) -> None:
-    check_algorithm({"name": name, **OVERRIDES.get(name, {})}, **_kwargs(name))
+    """No model is passed: an algorithm that needs a particular one (MOCHA: linear) declares example_model."""
+    check_algorithm({"name": name, **OVERRIDES.get(name, {})})
+
+
+def test_check_algorithm_by_name_alone_uses_the_declared_example_model() -> None:
+    """``check_algorithm("mocha")`` with no other argument: its example model is the linear model it needs, and
+    an MLP (the kit's default for other algorithms) is what it refuses."""
+    model = create_algorithm("mocha").example_model((5,), 3)
+    assert model is not None and [p.dim() for p in model.parameters()] == [2, 1]
+    assert create_algorithm("fedavg").example_model((5,), 3) is None
+    check_algorithm("mocha")
+    with pytest.raises(AssertionError, match="linear model"):
+        check_algorithm("mocha", model=nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)))

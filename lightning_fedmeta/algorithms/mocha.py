@@ -63,10 +63,11 @@ set each round (``BatchPlan(1, 1, None)``, full batch, in sample order).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import (
     Algorithm,
@@ -142,6 +143,14 @@ class Mocha(Algorithm):
     """
 
     name = "mocha"
+
+    @classmethod
+    def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        """MOCHA learns linear task models: logistic regression on the flattened inputs."""
+        from lightning_fedmeta.models import LogisticRegression
+
+        return LogisticRegression(math.prod(input_shape), num_classes)
+
     summary = "MOCHA: federated multi-task linear models by dual coordinate ascent (Smith et al., 2017)"
     server_optimizer_applies = False
     unused_args = {

@@ -25,6 +25,14 @@ class RankSplit:
     rank: int = 0
     reduce: Callable[[Tensor], Tensor] | None = None
 
+    @classmethod
+    def of(cls, trainer: Any) -> RankSplit:
+        """This process's split under a Lightning Trainer (its strategy's all-reduce)."""
+        if trainer.world_size == 1:
+            return cls()
+        strategy = trainer.strategy
+        return cls(trainer.world_size, trainer.global_rank, lambda t: strategy.reduce(t, reduce_op="sum"))
+
     def share(self, num: int) -> Tensor:
         """Positions ``0..num-1`` this process computes (≡ rank mod world size)."""
         return torch.arange(self.rank, num, self.world)
