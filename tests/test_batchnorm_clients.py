@@ -68,8 +68,9 @@ def test_module_statistics_are_the_round_weighted_mean_of_the_clients() -> None:
     module = FederatedModule(BNNet(), {"name": "fedavg", "local_steps": 2, "local_lr": 0.1, "batch_size": 4},
                              clients_per_round=3)
     module.attach_data(from_client_tensors(Clients().client_data(), 3))
-    sampled, out, weights = module.compute_round(0)
-    buffers = module._round_buffers[1]
+    result = module.engine.compute(0)
+    sampled, out, weights = result
+    buffers = result.buffers
     module.commit_round(sampled, out, module.server_state)
     own = dict(module.model.named_buffers())
     expected = (weights[:, None] * buffers["body.1.running_var"]).sum(0)

@@ -187,7 +187,7 @@ def test_auto_stays_eager_for_a_short_run_and_the_decision_is_kept_in_the_checkp
 
 def test_auto_compiles_a_run_long_enough_to_pay_for_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     always = lambda left, seconds: worth_compiling(left, seconds, 0.0)  # noqa: E731
-    monkeypatch.setattr("lightning_fedmeta.module.worth_compiling", always)
+    monkeypatch.setattr("lightning_fedmeta.loop.compile_policy.worth_compiling", always)
     module = _fit(tmp_path, 4)
     assert module.compile_decision is True
     assert module.compiler.stats.compiled_calls == 2 * 2  # rounds 3 and 4 (after the two timed eager rounds), τ = 2

@@ -15,6 +15,7 @@ from conftest import TinyDataset, make_trainer, run_plain_rounds, tiny_data
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.execution import run_clients
+from lightning_fedmeta.loop import RankSplit
 from lightning_fedmeta.sampling import generator_for
 
 DITTO = {"name": "ditto", "lam": 0.1, "local_steps": 2, "local_lr": 0.1, "batch_size": 4, "finetune_steps": 1}
@@ -25,14 +26,14 @@ def _unstreamed(module: FederatedModule, clients: torch.Tensor, r: int) -> dict[
     then one ``run_clients`` call that chunks internally."""
     params = module._global_params()
     adapt = module._batches("adapt", r, clients, module.algorithm.eval_plan())
-    test = module._test_batches(clients)
+    test = module.engine.gatherer.test_batches(clients)
     states = module.client_states.gather(clients)
-    seeds = module._loop_seeds("eval-dropout", r, clients)
+    seeds = module.engine.loop_seeds("eval-dropout", r, clients)
     chunk = module.client_chunk_size or max(module.num_sampled, 100)
     with torch.inference_mode(False), torch.enable_grad():
         return run_clients(
-            module._eval_fn, (params, module.server_state),
-            (adapt, test, states, module.records(clients), module._buffers_of(clients)),
+            module.evaluator._eval_fn, (params, module.server_state),
+            (adapt, test, states, module.records(clients), module.engine.starting_buffers(clients)),
             clients.numel(), module.batching, chunk, seeds,
         )
 
@@ -45,7 +46,7 @@ def test_streamed_evaluation_equals_the_unstreamed_one_bit_for_bit(batching: str
     run_plain_rounds(module, 3)
     module.model.eval()
     reference = _unstreamed(module, torch.arange(11), 3)
-    module._test_cache = None
+    module.engine.gatherer.test_cache = None
     gathered: list[int] = []
     original = module.client_states.gather
     module.client_states.gather = lambda c: (gathered.append(c.numel()), original(c))[1]  # type: ignore[method-assign]
@@ -160,7 +161,7 @@ def test_under_ddp_each_rank_scores_its_share_of_the_same_sample() -> None:
     totals, losses = [], []
     for rank in (0, 1):
         module = build()
-        module._rank_share = lambda num, r=rank: torch.arange(r, num, 2)  # type: ignore[method-assign]
+        module._ranks = lambda r=rank: RankSplit(2, r, lambda t: t)  # type: ignore[method-assign]
         module._evaluate("val", log=False)
         scored = (module.metric.total > 0).nonzero().flatten()
         assert scored.tolist() == sample[rank::2].tolist()

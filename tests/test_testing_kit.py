@@ -399,12 +399,13 @@ def test_what_an_algorithm_returns_is_checked_at_the_boundary(hooks: dict, messa
 
 
 def test_the_boundary_checks_run_once_then_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_fedmeta.module as module_py
+    import lightning_fedmeta.loop.client_state as client_state_py
+    import lightning_fedmeta.loop.engine as engine_py
 
     calls: dict[str, int] = {}
 
-    def counting(name: str) -> Any:
-        real = getattr(module_py, name)
+    def counting(where: Any, name: str) -> Any:
+        real = getattr(where, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             calls[name] = calls.get(name, 0) + 1
@@ -412,9 +413,9 @@ def test_the_boundary_checks_run_once_then_cost_nothing(monkeypatch: pytest.Monk
 
         return wrapper
 
-    for name in ("validate_client_output", "validate_aggregate_output", "validate_init_client_states",
-                 "validate_init_server_state"):
-        monkeypatch.setattr(module_py, name, counting(name))
+    for where, name in ((engine_py, "validate_client_output"), (engine_py, "validate_aggregate_output"),
+                        (client_state_py, "validate_init_client_states"), (engine_py, "validate_init_server_state")):
+        monkeypatch.setattr(where, name, counting(where, name))
     _fit(PersonalBias(), rounds=4)
     assert calls == {"validate_init_client_states": 1, "validate_init_server_state": 1,
                      "validate_client_output": 1, "validate_aggregate_output": 1}

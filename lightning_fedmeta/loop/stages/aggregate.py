@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_fedmeta.loop.stages.base import ServerContext, ServerUpdate, Uploads, unflatten_row_tree
+from lightning_fedmeta.validation import validate_aggregate_output
 
 __all__ = ["AlgorithmAggregate"]
 
@@ -19,5 +20,8 @@ class AlgorithmAggregate:
         out = uploads.output
         if uploads.rows is not None:
             out = out._replace(delta=unflatten_row_tree(uploads.rows, out.delta))
-        delta, server_state = ctx.algorithm.aggregate(ctx.params, out, uploads.weights, ctx.server_state, ctx.records)
+        result = ctx.algorithm.aggregate(ctx.params, out, uploads.weights, ctx.server_state, ctx.records)
+        if not (isinstance(result, tuple) and len(result) == 2):  # the contract error names what is wrong
+            validate_aggregate_output(ctx.algorithm, result, ctx.params, ctx.server_state, strict_dtypes=False)
+        delta, server_state = result
         return uploads.with_(update=ServerUpdate(delta, server_state))
