@@ -47,6 +47,7 @@ from lightning_fedmeta.options import (
     check_server_optimizer,
     default_model_for,
     resolve_loss_option,
+    unsaved_arguments,
 )
 from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.privacy_budget import PrivacyBudget
@@ -176,13 +177,7 @@ class FederatedModule(LightningModule):
             ClientMetrics(metrics, 1)  # names, built-ins and torchmetrics states checked now, before any data
         built = build_algorithm(algorithm)
         check_server_optimizer(built, server_lr, server_optimizer, server_lr_scheduler)
-        # Only plain values go into the checkpoint's hyper-parameters (loadable with weights_only=True); a custom
-        # model is passed again to load_from_checkpoint(path, model=...), model=None is rebuilt from the data spec.
-        ignore = ["model", "server_optimizer", "server_lr_scheduler"]
-        ignore += ["algorithm"] if isinstance(algorithm, Algorithm) else []
-        ignore += ["loss"] if loss is not None and not isinstance(loss, str) else []
-        ignore += ["metrics"] if metrics is not None and not all(isinstance(v, str) for v in metrics.values()) else []
-        self.save_hyperparameters(ignore=ignore)
+        self.save_hyperparameters(ignore=unsaved_arguments(algorithm, loss, metrics))
         self.model = model
         self.clients_per_round, self.fraction, self.aggregation = clients_per_round, fraction, aggregation
         self.server_lr, self.server_optimizer = server_lr, server_optimizer

@@ -22,7 +22,7 @@ from lightning_fedmeta.registry import create_algorithm
 __all__ = [
     "FederatedSetupError", "build_algorithm", "check_model_outputs", "check_options", "check_server_optimizer",
     "default_model_for",
-    "resolve_loss_option",
+    "resolve_loss_option", "unsaved_arguments",
 ]
 
 
@@ -128,6 +128,17 @@ def check_server_optimizer(algorithm: Algorithm, server_lr: float, server_optimi
         f"server_optimizer={'set' if server_optimizer is not None else None}, "
         f"server_lr_scheduler={'set' if scheduler is not None else None})"
     )
+
+
+def unsaved_arguments(algorithm: Any, loss: Any, metrics: Mapping[str, Any] | None) -> list[str]:
+    """The arguments left out of the checkpoint's hyper-parameters: only plain values go there, so the file loads
+    with ``torch.load(weights_only=True)``. A custom model is passed again to ``load_from_checkpoint(path,
+    model=...)``; ``model=None`` is rebuilt from the checkpoint's data spec."""
+    ignore = ["model", "server_optimizer", "server_lr_scheduler"]
+    ignore += ["algorithm"] if isinstance(algorithm, Algorithm) else []
+    ignore += ["loss"] if loss is not None and not isinstance(loss, str) else []
+    ignore += ["metrics"] if metrics is not None and not all(isinstance(v, str) for v in metrics.values()) else []
+    return ignore
 
 
 def _model_output(model: nn.Module, x: Tensor) -> Tensor:
