@@ -71,17 +71,7 @@ from typing import Any
 import yaml
 
 from benchmarks.accuracy import grad_evals_per_round
-from benchmarks.harness import (
-    REPO,
-    append_record,
-    fit_record,
-    fmt_duration,
-    git_commit,
-    mean_std,
-    pct,
-    read_records,
-    sha256_text,
-)
+from benchmarks.harness import REPO, append_record, fit_record, fmt_duration, mean_std, pct, read_records, sha256_text
 from benchmarks.paper import BATCH, CLIENTS_PER_ROUND, HOLDOUT, NUM_CLIENTS, ROUNDS, SEEDS
 
 __all__ = [
@@ -300,8 +290,7 @@ def _run(config_text: str, config_file: Path, seed: int, rounds: int, out_dir: P
     if root is not None:
         overrides += ["--data.root", root]
     rec: dict[str, Any] = {**extra, "seed": seed, "rounds": rounds, "root": root,
-                           "config_sha256": sha256_text(config_text), "config_body_sha256": body_sha256(config_text),
-                           "threads": threads, "git_commit": git_commit()}
+                           "config_sha256": sha256_text(config_text), "config_body_sha256": body_sha256(config_text)}
     return rec | fit_record(config_file, out_dir, rounds, overrides, threads=threads, cwd=REPO)
 
 

@@ -170,10 +170,11 @@ def final_metrics(doc: dict[str, Any], rounds: int) -> dict[str, Any]:
 def fit_record(config: str | os.PathLike[str], out_dir: str | os.PathLike[str], rounds: int,
                overrides: Sequence[str] = (), *, threads: int | None = None,
                cwd: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """:func:`run_fit`, as record fields: ``command``, ``wall_s``, ``finished_at``, then ``error`` or the
-    :func:`final_metrics` of a run of ``rounds`` rounds."""
+    """:func:`run_fit`, as record fields: ``threads``, ``git_commit``, ``command``, ``wall_s``, ``finished_at``,
+    then ``error`` or the :func:`final_metrics` of a run of ``rounds`` rounds."""
+    rec: dict[str, Any] = {"threads": threads, "git_commit": git_commit()}
     run = run_fit(config, out_dir, overrides, threads=threads, cwd=cwd)
-    rec: dict[str, Any] = {"command": run.command, "wall_s": run.wall_s, "finished_at": run.finished_at}
+    rec.update(command=run.command, wall_s=run.wall_s, finished_at=run.finished_at)
     if run.error is not None:
         return rec | {"error": run.error}
     assert run.history is not None

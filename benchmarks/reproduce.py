@@ -60,17 +60,7 @@ from typing import Any
 
 from benchmarks import equal_work as ew
 from benchmarks.accuracy import grad_evals_per_round
-from benchmarks.harness import (
-    REPO,
-    append_record,
-    fit_record,
-    fmt_duration,
-    git_commit,
-    mean_std,
-    pct,
-    read_records,
-    sha256_text,
-)
+from benchmarks.harness import REPO, append_record, fit_record, fmt_duration, mean_std, pct, read_records, sha256_text
 from benchmarks.paper import BATCH, CLIENTS_PER_ROUND, HOLDOUT, NUM_CLIENTS, ROUNDS, SEEDS
 
 __all__ = [
@@ -237,8 +227,7 @@ def run_one(run: Run, rounds: int, runs_dir: Path, dataset: str, root: str | Non
     algo = _algorithm_block(method, tau, alpha)
     rec: dict[str, Any] = {
         "method": method, "tau": tau, "alpha": alpha, "seed": seed, "rounds": rounds, "dataset": dataset,
-        "root": root, "config": cfg.as_posix(), "config_sha256": sha256_text(text), "threads": threads,
-        "git_commit": git_commit(),
+        "root": root, "config": cfg.as_posix(), "config_sha256": sha256_text(text),
         "grad_evals_per_client_round": grad_evals_per_round(algo["name"], {k: v for k, v in algo.items()
                                                                           if k != "name"}),
     }
