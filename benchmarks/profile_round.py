@@ -12,8 +12,8 @@ finiteness checks + aggregate + SGD server step + state scatter, no Trainer):
 3. ``cProfile``: the top Python functions by internal time (interpreter overhead of the
    functional stack: functorch wrappers, ``functional_call``, pytree helpers).
 
-    python benchmarks/profile_round.py --algorithm "Per-FedAvg HF" --batching vmap --rounds 5
-    python benchmarks/profile_round.py --algorithm FedAvg --batching loop --threads 1
+    python -m benchmarks.profile_round --algorithm "Per-FedAvg HF" --batching vmap --rounds 5
+    python -m benchmarks.profile_round --algorithm FedAvg --batching loop --threads 1
 """
 
 from __future__ import annotations
@@ -29,22 +29,18 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import speed  # noqa: E402
-from speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_round  # noqa: E402
-
-import lightning_fedmeta.functional as functional_lib  # noqa: E402
-import lightning_fedmeta.loop.engine as engine_lib  # noqa: E402
-import lightning_fedmeta.loop.gather as gather_lib  # noqa: E402
-from lightning_fedmeta.functional import Params  # noqa: E402
+import lightning_fedmeta.functional as functional_lib
+import lightning_fedmeta.loop.engine as engine_lib
+import lightning_fedmeta.loop.gather as gather_lib
+from benchmarks import speed
+from benchmarks.speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_round
+from lightning_fedmeta.functional import Params
 
 __all__ = ["SectionTimer", "profile_sections", "PROPOSALS", "compare_proposals", "main"]
 

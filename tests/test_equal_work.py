@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ew = _load("equal_work")
+from benchmarks import equal_work as ew
+from benchmarks.harness import REPO, sha256_text
 
 
 def test_every_work_matched_entry_spends_16_gradient_evaluations_per_client_per_round() -> None:
@@ -62,7 +49,7 @@ def test_the_winner_is_the_best_validation_score_first_listed_on_ties_and_waits_
 
 def _sweep_record(entry, cand, acc=None, error=None):
     rec = {"stage": "sweep", "entry": entry.key, "candidate": cand, "seed": ew.SWEEP_SEED, "rounds": ew.SWEEP_ROUNDS,
-           "config_sha256": ew._sha256(ew.candidate_config(entry, cand))}
+           "config_sha256": sha256_text(ew.candidate_config(entry, cand))}
     return rec | ({"error": error} if error else {"acc_weighted": acc})
 
 
@@ -77,7 +64,7 @@ def test_scores_read_the_records_of_the_current_configs_only_and_mark_divergence
 
 
 def _final(entry_key, text, seed, acc):
-    return {"stage": "final", "entry": entry_key, "seed": seed, "rounds": 1000, "config_sha256": ew._sha256(text),
+    return {"stage": "final", "entry": entry_key, "seed": seed, "rounds": 1000, "config_sha256": sha256_text(text),
             "config_body_sha256": ew.body_sha256(text),
             "acc_weighted": acc, "acc_worst10": acc - 0.2, "new_acc_weighted": acc - 0.1, "best_acc_weighted": acc,
             "wall_s": 10.0}
@@ -204,7 +191,7 @@ def test_the_driver_runs_the_successors_finals_when_a_winner_is_withdrawn_mid_ru
     def fake_run(config_text, config_file, seed, rounds, out_dir, threads, extra, root=None):
         lr = yaml.safe_load(config_text)["model"]["algorithm"][key.split(".", 1)[1]]
         calls.append((extra["stage"], lr, seed))
-        rec = {**extra, "seed": seed, "rounds": rounds, "config_sha256": ew._sha256(config_text),
+        rec = {**extra, "seed": seed, "rounds": rounds, "config_sha256": sha256_text(config_text),
                "config_body_sha256": ew.body_sha256(config_text), "wall_s": 1.0}
         if extra["stage"] == "sweep":
             if lr not in sweep_acc:  # the second extension diverges
@@ -238,7 +225,7 @@ def test_mnist_runs_the_same_comparison_on_its_own_validation_data_and_files(tmp
     def fake_run(config_text, config_file, seed, rounds, out_dir, threads, extra, root=None):
         doc = yaml.safe_load(config_text)
         seen.append((doc["data"]["dataset"], root, extra["stage"]))
-        rec = {**extra, "seed": seed, "rounds": rounds, "root": root, "config_sha256": ew._sha256(config_text),
+        rec = {**extra, "seed": seed, "rounds": rounds, "root": root, "config_sha256": sha256_text(config_text),
                "config_body_sha256": ew.body_sha256(config_text), "wall_s": 1.0}
         lr = doc["model"]["algorithm"]["local_lr"]
         return rec | {"acc_weighted": 0.9 - abs(lr - 0.03), "acc_worst10": 0.5, "new_acc_weighted": 0.8,

@@ -9,31 +9,19 @@ std over seeds is checked on hand-made records.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from benchmarks import reproduce as rp
+from benchmarks.harness import REPO, final_metrics, sha256_text
 from lightning_fedmeta.data import DEFAULT_FASHION_MNIST_ROOT, has_dataset_files
 
-REPO = Path(__file__).resolve().parent.parent
 HAS_FASHION_MNIST = has_dataset_files("fashion_mnist", DEFAULT_FASHION_MNIST_ROOT)
-
-
-def _load_driver():
-    spec = importlib.util.spec_from_file_location("reproduce", REPO / "benchmarks" / "reproduce.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rp = _load_driver()
 
 
 def test_committed_configs_equal_the_generator_and_the_paper_setting() -> None:
@@ -74,7 +62,7 @@ def test_grad_evals_per_cell() -> None:
 
 def _record(method: str, tau: int, alpha: float, seed: int, acc: float, **kw: object) -> dict:
     rec = {"method": method, "tau": tau, "alpha": alpha, "seed": seed, "rounds": 1000, "dataset": "fashion_mnist",
-           "root": None, "config_sha256": rp._sha256(rp.render_config(method, tau, alpha)), "acc_weighted": acc,
+           "root": None, "config_sha256": sha256_text(rp.render_config(method, tau, alpha)), "acc_weighted": acc,
            "acc_worst10": acc / 2, "new_acc_weighted": acc - 0.1, "best_acc_weighted": acc + 0.01,
            "best_round": 990, "wall_s": 100.0 + seed}
     rec.update(kw)
@@ -177,13 +165,13 @@ def test_record_reads_the_history_final_and_best_round() -> None:
 
     doc = {"history": [val(10, 0.5), val(20, 0.7), val(30, 0.6)],
            "per_client": {"acc": [0.1, 0.9]}, "is_new_client": [False, True], "per_client_round": 30}
-    rec = rp._from_history(doc, 30)
+    rec = final_metrics(doc, 30)
     assert (rec["eval_round"], rec["acc_weighted"], rec["acc_worst10"], rec["new_acc_weighted"]) == (30, 0.6, 0.3, 0.3)
     assert (rec["best_round"], rec["best_acc_weighted"]) == (20, 0.7)
     assert rec["per_client_acc"] == [0.1, 0.9] and rec["is_new_client"] == [False, True]
     assert [c[:2] for c in rec["curve"]] == [[10, 0.5], [20, 0.7], [30, 0.6]]
-    assert "not the final round 40" in rp._from_history(doc, 40)["error"]
-    assert rp._from_history({"history": []}, 30) == {"error": "no validation in the history"}
+    assert "not the final round 40" in final_metrics(doc, 40)["error"]
+    assert final_metrics({"history": []}, 30) == {"error": "no validation in the history"}
 
 
 def test_paired_differences_are_per_seed() -> None:
