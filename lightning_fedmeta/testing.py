@@ -62,7 +62,7 @@ from lightning_fedmeta.execution import choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.loop.server import apply_server_step
 from lightning_fedmeta.module import FederatedModule
-from lightning_fedmeta.registry import create_algorithm
+from lightning_fedmeta.registry import create_algorithm, load_algorithm
 from lightning_fedmeta.sampling import stable_seed
 from lightning_fedmeta.state import flatten_state, map_state
 from lightning_fedmeta.validation import (
@@ -328,8 +328,8 @@ def _algorithm_factory(spec: AlgorithmSpec) -> Callable[[], Algorithm]:
         return lambda: copy.deepcopy(spec)
     if isinstance(spec, type) and issubclass(spec, Algorithm):
         return spec
-    if isinstance(spec, str):
-        return lambda: create_algorithm(spec)
+    if isinstance(spec, str):  # the name alone: the defaults, or the class's example arguments
+        return lambda: create_algorithm(spec, **load_algorithm(spec).example_arguments())
     if isinstance(spec, Mapping):
         args = dict(spec)
         name = args.pop("name", None)

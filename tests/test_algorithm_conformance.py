@@ -35,12 +35,13 @@ def test_every_registered_algorithm_passes_check_algorithm(name: str) -> None:
     check_algorithm({"name": name, **OVERRIDES.get(name, {})})
 
 
-def test_check_algorithm_by_name_alone_uses_the_declared_example_model() -> None:
+def test_check_algorithm_by_name_alone_uses_the_declared_examples() -> None:
     """``check_algorithm("mocha")`` with no other argument: its example model is the linear model it needs, and
     an MLP (the kit's default for other algorithms) is what it refuses."""
     model = create_algorithm("mocha").example_model((5,), 3)
     assert model is not None and [p.dim() for p in model.parameters()] == [2, 1]
     assert create_algorithm("fedavg").example_model((5,), 3) is None
     check_algorithm("mocha")
+    check_algorithm("mtl_graph")  # its defaults name no graph: it declares example_arguments (knn=2)
     with pytest.raises(AssertionError, match="linear model"):
         check_algorithm("mocha", model=nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)))

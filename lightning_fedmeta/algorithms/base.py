@@ -217,6 +217,12 @@ class Algorithm(ABC):
         a linear model)."""
         return None
 
+    @classmethod
+    def example_arguments(cls) -> dict[str, Any]:
+        """Hyper-parameters for :func:`~lightning_fedmeta.testing.check_algorithm` when it is given the name alone:
+        ``{}`` (the defaults) unless the defaults cannot build the algorithm (``mtl_graph`` needs a graph)."""
+        return {}
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _accept_common_args(cls)
