@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from conftest import make_trainer, tiny_data, tiny_datamodule
+from conftest import make_trainer, run_plain_rounds, tiny_data, tiny_datamodule
 from torch import Tensor, nn
 
 from lightning_fedmeta import (
@@ -189,16 +189,7 @@ def test_scaffold_in_the_loop_minimises_the_sample_weighted_objective() -> None:
         clients_per_round=2, aggregation="samples",
     )
     module.attach_data(data)
-    for r in range(150):
-        sampled, out, weights = module.compute_round(r)
-        params = module._global_params()
-        delta, new_server_state = module.algorithm.aggregate(
-            params, out, weights, module.server_state, module.records(sampled)
-        )
-        with torch.no_grad():
-            for name, prm in module.model.named_parameters():
-                prm.add_(delta[name])
-        module.commit_round(sampled, out, new_server_state)
+    run_plain_rounds(module, 150)
     torch.testing.assert_close(module.model.weight, reference.weight, atol=2e-3, rtol=0)
     torch.testing.assert_close(module.model.bias, reference.bias, atol=2e-3, rtol=0)
 

@@ -20,14 +20,7 @@ def _run(compile_clients: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     module.attach_data(tiny_data())
     opt = torch.optim.SGD(module.model.parameters(), lr=1.0)
     for r in range(2):
-        sampled, out, weights = module.compute_round(r)
-        delta, module.server_state = module.algorithm.aggregate(
-            module._global_params(), out, weights, module.server_state, module.records(sampled)
-        )
-        opt.zero_grad()
-        for name, p in module.model.named_parameters():
-            p.grad = -delta[name]
-        opt.step()
+        module.engine.run_round(r, opt)
     correct = module.evaluate_clients(torch.arange(6), 2)["builtin"]
     return {k: v.detach().clone() for k, v in module.model.named_parameters()}, correct
 
