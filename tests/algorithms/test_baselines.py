@@ -18,7 +18,7 @@ from lightning_fedmeta import (
 from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Params
-from tests.helpers import make_trainer, tiny_data, tiny_datamodule
+from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_linear
 
 
 class ParamsPerRound(L.Callback):
@@ -31,15 +31,10 @@ class ParamsPerRound(L.Callback):
         self.history.append({k: v.detach().clone() for k, v in pl_module.model.state_dict().items()})
 
 
-def _linear(seed: int = 0) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(5, 3)
-
-
 def test_fedavg_full_batch_one_step_equals_centralized_gradient_descent() -> None:
     """All clients, τ = 1 full-batch step, sample weights, β = 1:  w⁺ = w − η ∇ (1/N) Σ_j ℓ_j(w) on the union."""
     lr = 0.3
-    model = _linear()
+    model = tiny_linear()
     w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     module = FederatedModule(
         model=model, algorithm={"name": "fedavg", "local_lr": lr, "local_steps": 1, "batch_size": None},
@@ -48,7 +43,7 @@ def test_fedavg_full_batch_one_step_equals_centralized_gradient_descent() -> Non
     make_trainer(1).fit(module, tiny_datamodule(eval_every=5))
 
     data = tiny_data()
-    reference = _linear()
+    reference = tiny_linear()
     loss = nn.functional.cross_entropy(reference(data.train_x), data.train_y)  # mean over the union
     grads = torch.autograd.grad(loss, list(reference.parameters()))
     for (name, _), g in zip(reference.named_parameters(), grads, strict=True):
@@ -63,7 +58,7 @@ def test_fedprox_mu_zero_equals_fedavg_step_for_step() -> None:
     histories = []
     for spec in ({"name": "fedavg", **common}, {"name": "fedprox", "mu": 0.0, **common}):
         rec = ParamsPerRound()
-        module = FederatedModule(model=_linear(), algorithm=spec, clients_per_round=3, seed=7)
+        module = FederatedModule(model=tiny_linear(), algorithm=spec, clients_per_round=3, seed=7)
         make_trainer(4, callbacks=[rec]).fit(module, tiny_datamodule(eval_every=10))
         histories.append(rec.history)
     fedavg, fedprox = histories
@@ -79,7 +74,7 @@ def test_fedprox_positive_mu_differs_from_fedavg() -> None:
     data = tiny_data()
     finals = []
     for spec in ({"name": "fedprox", "mu": 0.0}, {"name": "fedprox", "mu": 1.0}):
-        module = FederatedModule(model=_linear(), algorithm={**spec, "local_lr": 0.2, "local_steps": 5},
+        module = FederatedModule(model=tiny_linear(), algorithm={**spec, "local_lr": 0.2, "local_steps": 5},
                                  clients_per_round=3)
         module.attach_data(data)
         _, out, w = module.compute_round(0)
@@ -178,14 +173,14 @@ def test_scaffold_in_the_loop_minimises_the_sample_weighted_objective() -> None:
         y = ((x[:, 0] > shift).long() + torch.randint(0, 2, (n + 4,), generator=g)) % 3
         clients.append((x[:n], y[:n], x[n:], y[n:]))
     data = from_client_tensors(clients, 3)
-    reference = _linear()
+    reference = tiny_linear()
     opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     for _ in range(3000):
         opt.zero_grad()
         nn.functional.cross_entropy(reference(data.train_x), data.train_y).backward()
         opt.step()
     module = FederatedModule(
-        model=_linear(), algorithm={"name": "scaffold", "local_lr": 0.1, "local_steps": 10, "batch_size": None},
+        model=tiny_linear(), algorithm={"name": "scaffold", "local_lr": 0.1, "local_steps": 10, "batch_size": None},
         clients_per_round=2, aggregation="samples",
     )
     module.attach_data(data)
@@ -205,7 +200,7 @@ def test_scaffold_in_the_loop_minimises_the_sample_weighted_objective() -> None:
 
 def test_scaffold_server_control_variate_keeps_the_weighted_mean_of_client_variates() -> None:
     """c ← c + Σ_{i∈S} p_i Δc_i with p_i the clients' weights over ALL training clients, so c = Σ_i p_i c_i."""
-    module = FederatedModule(model=_linear(), algorithm={"name": "scaffold", "local_lr": 0.1, "local_steps": 2},
+    module = FederatedModule(model=tiny_linear(), algorithm={"name": "scaffold", "local_lr": 0.1, "local_steps": 2},
                              clients_per_round=2, holdout_clients=1)
     module.attach_data(tiny_data())
     for r in range(3):

@@ -3,7 +3,6 @@ population, new clients get trained cluster models, batching and resume."""
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -24,7 +23,7 @@ from lightning_fedmeta.algorithms.ifca import IFCA
 from lightning_fedmeta.data import FederatedData, FederatedDataModule, from_client_tensors
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.state import flatten_state
-from tests.helpers import one_client
+from tests.helpers import make_trainer, one_client
 
 D, C, N = 8, 4, 60
 
@@ -311,11 +310,6 @@ def test_clustered_loop_and_vmap_give_the_same_models(args: dict) -> None:
             assert torch.equal(value, flatten_state(runs[1].server_state)[key]), key
 
 
-def _trainer(max_steps: int, **kwargs: object) -> L.Trainer:
-    return L.Trainer(max_steps=max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-
-
 @pytest.mark.parametrize("args", [IFCA_ARGS, {**CFL_ARGS, "warmup_rounds": 1, "eps1": 10.0, "eps2": 0.0,
                                             "max_clusters": 3}])
 def test_held_out_clients_logged_evaluation_equals_personalize_and_uses_a_trained_cluster(args: dict) -> None:
@@ -324,7 +318,7 @@ def test_held_out_clients_logged_evaluation_equals_personalize_and_uses_a_traine
     module = FederatedModule(model=initial, algorithm=args, clients_per_round=7, holdout_clients=2,
                              client_batching="vmap")
     start = {n: p.detach().clone() for n, p in initial.named_parameters()}
-    trainer = _trainer(4, enable_checkpointing=False)
+    trainer = make_trainer(4, enable_checkpointing=False)
     trainer.fit(module, FederatedDataModule(dataset=GroupedDataset(), eval_every=2))
     assert module.holdout.tolist() == [4, 8]
     data = module.data
@@ -358,7 +352,7 @@ def test_ifca_resume_from_checkpoint_is_bit_exact(tmp_path) -> None:
         torch.manual_seed(0)
         module = FederatedModule(model=nn.Linear(D, C), algorithm=IFCA_ARGS, clients_per_round=4)
         dm = FederatedDataModule(dataset=GroupedDataset(), eval_every=2)
-        trainer = _trainer(max_steps, enable_checkpointing=callbacks is not None, callbacks=callbacks or [])
+        trainer = make_trainer(max_steps, enable_checkpointing=callbacks is not None, callbacks=callbacks or [])
         trainer.fit(module, dm, ckpt_path=ckpt_path)
         return module
 

@@ -2,58 +2,21 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import vmap
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedmaml import FedMAML, maml_meta_gradient, split_support_query
-from lightning_fedmeta.data import FederatedDataModule, from_client_tensors
+from lightning_fedmeta.data import from_client_tensors
 from lightning_fedmeta.functional import Batch, ClientContext, tree_weighted_sum
-from tests.helpers import one_client
-
-
-class _Clients:
-    """Six small clients (FederatedDataset protocol) with sizes below and above the batch size."""
-
-    num_classes = 3
-
-    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        g = torch.Generator().manual_seed(1)
-        out = []
-        for i, n in enumerate((7, 12, 30, 9, 18, 25)):
-            x = torch.randn(n + 4, 5, generator=g) + i % 3
-            y = (x[:, 0] > i % 3).long() + (x[:, 1] > 1).long()
-            out.append((x[:n], y[:n], x[n:], y[n:]))
-        return out
-
-
-def _initial_model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
-
-
-def _flat(module: nn.Module) -> Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+from tests.helpers import SmallClients, flat_params, one_client, tanh_mlp, train_small
 
 
 def _cross_entropy64(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits, y, reduction="none")
-
-
-def _train(algorithm: object, batching: str = "auto", steps: int = 3, **kwargs: object) -> FederatedModule:
-    module = FederatedModule(
-        model=_initial_model(), algorithm=algorithm, clients_per_round=3, client_batching=batching, **kwargs
-    )
-    trainer = L.Trainer(
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    trainer.fit(module, FederatedDataModule(dataset=_Clients(), eval_every=steps))
-    return module
 
 
 def _padded_batch(real: int, width: int, dtype: torch.dtype = torch.float32) -> Batch:
@@ -108,7 +71,7 @@ def _autograd_meta_gradient(
 
 @pytest.mark.parametrize("second_order", [True, False])
 def test_uploaded_delta_is_minus_the_maml_gradient_of_autograd(second_order: bool) -> None:
-    model = _initial_model(torch.float64)
+    model = tanh_mlp(dtype=torch.float64)
     ctx = ClientContext(model, per_sample_loss=_cross_entropy64)
     g = torch.Generator().manual_seed(4)
     batches = Batch(torch.randn(1, 1, 20, 5, generator=g, dtype=torch.float64),
@@ -127,7 +90,7 @@ def test_uploaded_delta_is_minus_the_maml_gradient_of_autograd(second_order: boo
 
 
 def test_several_local_steps_average_the_meta_gradients_at_theta() -> None:
-    model = _initial_model()
+    model = tanh_mlp()
     ctx = ClientContext(model)
     g = torch.Generator().manual_seed(5)
     batches = Batch(torch.randn(3, 1, 8, 5, generator=g), torch.randint(0, 3, (3, 1, 8), generator=g),
@@ -150,12 +113,12 @@ def test_round_plan_draws_batches_of_twice_the_batch_size() -> None:
 # ----------------------------------------------------------------------------------------------
 def test_server_meta_step_uses_server_lr_as_beta() -> None:
     algo = {"name": "fedmaml", "alpha": 0.1, "batch_size": 4}
-    probe = FederatedModule(model=_initial_model(), algorithm=algo, clients_per_round=3)
-    probe.attach_data(from_client_tensors(_Clients().client_data(), 3))
+    probe = FederatedModule(model=tanh_mlp(), algorithm=algo, clients_per_round=3)
+    probe.attach_data(from_client_tensors(SmallClients().client_data(), 3))
     w0 = {n: p.detach().clone() for n, p in probe.model.named_parameters()}
     _, out, weights = probe.compute_round(0)
     mean_grad = {k: -v for k, v in tree_weighted_sum(out.delta, weights).items()}
-    trained = _train(algo, steps=1, server_lr=0.25)
+    trained = train_small(algo, steps=1, server_lr=0.25)
     for name, p in trained.model.named_parameters():
         torch.testing.assert_close(p.detach(), w0[name] - 0.25 * mean_grad[name], atol=1e-6, rtol=0)
 
@@ -163,10 +126,10 @@ def test_server_meta_step_uses_server_lr_as_beta() -> None:
 @pytest.mark.parametrize("second_order", [False, True])
 def test_loop_and_vmap_clients_give_the_same_global_model(second_order: bool) -> None:
     algo = {"name": "fedmaml", "alpha": 0.1, "batch_size": 5, "second_order": second_order}
-    looped = _flat(_train(algo, "loop", server_lr=0.5).model)
-    batched = _flat(_train(algo, "vmap", server_lr=0.5).model)
+    looped = flat_params(train_small(algo, "loop", server_lr=0.5).model)
+    batched = flat_params(train_small(algo, "vmap", server_lr=0.5).model)
     torch.testing.assert_close(looped, batched, atol=1e-6, rtol=0)
-    assert (looped - _flat(_initial_model())).abs().max() > 1e-4
+    assert (looped - flat_params(tanh_mlp())).abs().max() > 1e-4
 
 
 def test_negative_alpha_raises_with_value() -> None:

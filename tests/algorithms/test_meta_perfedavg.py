@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedavg import FedAvg
 from lightning_fedmeta.algorithms.perfedavg import PerFedAvg
-from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.functional import Batch, ClientContext
-from tests.helpers import one_client
+from tests.helpers import one_client, tanh_mlp, train_small
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,38 +50,6 @@ def _params(model: nn.Module) -> dict[str, Tensor]:
 
 def _flat(params: dict[str, Tensor]) -> Tensor:
     return torch.cat([v.reshape(-1) for v in params.values()])
-
-
-class _Clients:
-    """Six small clients (FederatedDataset protocol) with sizes below and above the batch size."""
-
-    num_classes = 3
-
-    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        g = torch.Generator().manual_seed(1)
-        out = []
-        for i, n in enumerate((7, 12, 30, 9, 18, 25)):
-            x = torch.randn(n + 4, 5, generator=g) + i % 3
-            y = (x[:, 0] > i % 3).long() + (x[:, 1] > 1).long()
-            out.append((x[:n], y[:n], x[n:], y[n:]))
-        return out
-
-
-def _initial_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def _train(algorithm: object, batching: str, steps: int = 3, **kwargs: object) -> FederatedModule:
-    module = FederatedModule(
-        model=_initial_model(), algorithm=algorithm, clients_per_round=3, client_batching=batching, **kwargs
-    )
-    trainer = L.Trainer(
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    trainer.fit(module, FederatedDataModule(dataset=_Clients(), eval_every=steps))
-    return module
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,8 +158,8 @@ def test_invalid_hyper_parameters_raise_with_value_and_range(kwargs: dict, messa
 @pytest.mark.parametrize("variant", ["fo", "hf", "exact"])
 def test_loop_and_vmap_clients_give_the_same_global_model(variant: str) -> None:
     algo = {"name": "perfedavg", "variant": variant, "alpha": 0.05, "beta": 0.1, "local_steps": 1, "batch_size": 8}
-    looped = _flat(_params(_train(algo, "loop").model))
-    batched = _flat(_params(_train(algo, "vmap").model))
+    looped = _flat(_params(train_small(algo, "loop").model))
+    batched = _flat(_params(train_small(algo, "vmap").model))
     torch.testing.assert_close(looped, batched, atol=1e-6, rtol=0)
-    initial = _flat(_params(_initial_model()))
+    initial = _flat(_params(tanh_mlp()))
     assert (looped - initial).abs().max() > 1e-4

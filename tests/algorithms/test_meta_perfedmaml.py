@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_fedmeta import ClientRecord, FederatedModule
 from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
@@ -16,53 +16,17 @@ from lightning_fedmeta.algorithms.perfedmaml import PerFedMAML
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.state import flatten_state
-from tests.helpers import one_client
-
-
-class _Clients:
-    """Six small clients (FederatedDataset protocol) with sizes below and above the batch size."""
-
-    num_classes = 3
-
-    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        g = torch.Generator().manual_seed(1)
-        out = []
-        for i, n in enumerate((7, 12, 30, 9, 18, 25)):
-            x = torch.randn(n + 4, 5, generator=g) + i % 3
-            y = (x[:, 0] > i % 3).long() + (x[:, 1] > 1).long()
-            out.append((x[:n], y[:n], x[n:], y[n:]))
-        return out
-
-
-def _initial_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def _flat(module: nn.Module) -> Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
+from tests.helpers import SmallClients, flat_params, make_trainer, one_client, tanh_mlp, train_small
 
 _ALGO = {"name": "perfedmaml", "alpha": 0.1, "beta": 0.2, "lam": 0.5, "local_steps": 2, "batch_size": 4}
 
 
-def _trainer(steps: int, **kwargs: object) -> L.Trainer:
-    return L.Trainer(
-        max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, **kwargs,
-    )
-
-
 def _train(batching: str = "auto", steps: int = 3, algorithm: dict | None = None, **kwargs: object) -> FederatedModule:
-    module = FederatedModule(
-        model=_initial_model(), algorithm=algorithm or _ALGO, clients_per_round=3, client_batching=batching, **kwargs
-    )
-    _trainer(steps, enable_checkpointing=False).fit(module, FederatedDataModule(dataset=_Clients(), eval_every=3))
-    return module
+    return train_small(algorithm or _ALGO, batching, steps, eval_every=3, **kwargs)
 
 
 def _client_inputs(seen: float) -> tuple[ClientContext, dict[str, Tensor], Batch, dict[str, Tensor], ClientRecord]:
-    model = _initial_model()
+    model = tanh_mlp()
     ctx = ClientContext(model)
     w = {n: p.detach() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(3)
@@ -148,10 +112,10 @@ def test_global_model_is_the_sample_weighted_mean_of_the_trained_clients() -> No
 def test_loop_and_vmap_clients_give_the_same_global_model_and_client_states() -> None:
     looped = _train("loop")
     batched = _train("vmap")
-    torch.testing.assert_close(_flat(looped.model), _flat(batched.model), atol=1e-6, rtol=0)
+    torch.testing.assert_close(flat_params(looped.model), flat_params(batched.model), atol=1e-6, rtol=0)
     for k, v in flatten_state(looped.client_states.tensors).items():
         torch.testing.assert_close(v, flatten_state(batched.client_states.tensors)[k], atol=1e-6, rtol=0)
-    assert (_flat(looped.model) - _flat(_initial_model())).abs().max() > 1e-4
+    assert (flat_params(looped.model) - flat_params(tanh_mlp())).abs().max() > 1e-4
 
 
 class _RoundsRun(Callback):
@@ -167,17 +131,19 @@ class _RoundsRun(Callback):
 def test_resume_from_a_checkpoint_is_bit_exact(tmp_path: Path) -> None:
     straight = _train(steps=6)
 
-    first = FederatedModule(model=_initial_model(), algorithm=_ALGO, clients_per_round=3)
+    first = FederatedModule(model=tanh_mlp(), algorithm=_ALGO, clients_per_round=3)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    _trainer(3, callbacks=[checkpoint]).fit(first, FederatedDataModule(dataset=_Clients(), eval_every=3))
-    resumed = FederatedModule(model=_initial_model(), algorithm=_ALGO, clients_per_round=3)
+    make_trainer(3, enable_checkpointing=True, callbacks=[checkpoint]).fit(
+        first, FederatedDataModule(dataset=SmallClients(), eval_every=3)
+    )
+    resumed = FederatedModule(model=tanh_mlp(), algorithm=_ALGO, clients_per_round=3)
     rounds = _RoundsRun()
-    _trainer(6, enable_checkpointing=False, callbacks=[rounds]).fit(
-        resumed, FederatedDataModule(dataset=_Clients(), eval_every=3), ckpt_path=str(tmp_path / "last.ckpt")
+    make_trainer(6, callbacks=[rounds]).fit(
+        resumed, FederatedDataModule(dataset=SmallClients(), eval_every=3), ckpt_path=str(tmp_path / "last.ckpt")
     )
     assert rounds.rounds == [3, 4, 5]
-    assert not torch.equal(_flat(first.model), _flat(resumed.model))
-    assert torch.equal(_flat(straight.model), _flat(resumed.model))
+    assert not torch.equal(flat_params(first.model), flat_params(resumed.model))
+    assert torch.equal(flat_params(straight.model), flat_params(resumed.model))
     assert torch.equal(straight.seen, resumed.seen)
     assert straight.client_states.keys() == resumed.client_states.keys()
     for k, v in flatten_state(straight.client_states.tensors).items():

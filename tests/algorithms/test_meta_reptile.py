@@ -2,70 +2,32 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
-from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.reptile import Reptile
-from lightning_fedmeta.data import FederatedDataModule, from_client_tensors
+from lightning_fedmeta.data import from_client_tensors
 from lightning_fedmeta.functional import Batch, ClientContext, tree_weighted_sum
-from tests.helpers import one_client
-
-
-class _Clients:
-    """Six small clients (FederatedDataset protocol) with sizes below and above the batch size."""
-
-    num_classes = 3
-
-    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        g = torch.Generator().manual_seed(1)
-        out = []
-        for i, n in enumerate((7, 12, 30, 9, 18, 25)):
-            x = torch.randn(n + 4, 5, generator=g) + i % 3
-            y = (x[:, 0] > i % 3).long() + (x[:, 1] > 1).long()
-            out.append((x[:n], y[:n], x[n:], y[n:]))
-        return out
-
-
-def _initial_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def _flat(module: nn.Module) -> Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def _train(algorithm: object, batching: str = "auto", steps: int = 3, **kwargs: object) -> FederatedModule:
-    module = FederatedModule(
-        model=_initial_model(), algorithm=algorithm, clients_per_round=3, client_batching=batching, **kwargs
-    )
-    trainer = L.Trainer(
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    trainer.fit(module, FederatedDataModule(dataset=_Clients(), eval_every=steps))
-    return module
+from tests.helpers import SmallClients, flat_params, one_client, tanh_mlp, train_small
 
 
 def test_reptile_with_server_lr_one_equals_fedavg_whole_rounds() -> None:
-    reptile = _train({"name": "reptile", "alpha": 0.1, "local_steps": 3, "batch_size": 8}, server_lr=1.0)
-    fedavg = _train({"name": "fedavg", "local_lr": 0.1, "local_steps": 3, "batch_size": 8}, server_lr=1.0)
-    assert torch.equal(_flat(reptile.model), _flat(fedavg.model))
-    assert (_flat(reptile.model) - _flat(_initial_model())).abs().max() > 1e-3
+    reptile = train_small({"name": "reptile", "alpha": 0.1, "local_steps": 3, "batch_size": 8}, server_lr=1.0)
+    fedavg = train_small({"name": "fedavg", "local_lr": 0.1, "local_steps": 3, "batch_size": 8}, server_lr=1.0)
+    assert torch.equal(flat_params(reptile.model), flat_params(fedavg.model))
+    assert (flat_params(reptile.model) - flat_params(tanh_mlp())).abs().max() > 1e-3
 
 
 def test_server_step_is_server_lr_times_the_weighted_mean_adaptation() -> None:
     algo = {"name": "reptile", "alpha": 0.1, "local_steps": 2, "batch_size": 8}
-    probe = FederatedModule(model=_initial_model(), algorithm=algo, clients_per_round=3)
-    probe.attach_data(from_client_tensors(_Clients().client_data(), 3))
+    probe = FederatedModule(model=tanh_mlp(), algorithm=algo, clients_per_round=3)
+    probe.attach_data(from_client_tensors(SmallClients().client_data(), 3))
     w0 = {n: p.detach().clone() for n, p in probe.model.named_parameters()}
     _, out, weights = probe.compute_round(0)
     mean_delta = tree_weighted_sum(out.delta, weights)
 
-    trained = _train(algo, steps=1, server_lr=0.5)
+    trained = train_small(algo, steps=1, server_lr=0.5)
     for name, p in trained.model.named_parameters():
         torch.testing.assert_close(p.detach(), w0[name] + 0.5 * mean_delta[name], atol=1e-6, rtol=0)
 
@@ -73,7 +35,7 @@ def test_server_step_is_server_lr_times_the_weighted_mean_adaptation() -> None:
 def test_evaluation_model_is_one_full_batch_sgd_step_at_alpha() -> None:
     algo = Reptile(alpha=0.07)
     assert (algo.eval_plan().steps, algo.eval_plan().batch_size, algo.finetune_lr) == (1, None, 0.07)
-    model = _initial_model()
+    model = tanh_mlp()
     ctx = ClientContext(model)
     g = torch.Generator().manual_seed(0)
     batch = Batch(torch.randn(1, 1, 10, 5, generator=g), torch.randint(0, 3, (1, 1, 10), generator=g),
@@ -87,8 +49,8 @@ def test_evaluation_model_is_one_full_batch_sgd_step_at_alpha() -> None:
 
 def test_loop_and_vmap_clients_give_the_same_global_model() -> None:
     algo = {"name": "reptile", "alpha": 0.1, "local_steps": 2, "batch_size": 8}
-    looped = _flat(_train(algo, "loop", server_lr=0.7).model)
-    batched = _flat(_train(algo, "vmap", server_lr=0.7).model)
+    looped = flat_params(train_small(algo, "loop", server_lr=0.7).model)
+    batched = flat_params(train_small(algo, "vmap", server_lr=0.7).model)
     torch.testing.assert_close(looped, batched, atol=1e-6, rtol=0)
 
 

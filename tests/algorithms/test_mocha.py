@@ -10,6 +10,7 @@ from torch import nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.mocha import Mocha, covariance_update
 from lightning_fedmeta.data import FederatedData, from_client_tensors
+from tests.helpers import fit
 
 K, D, N = 4, 5, 24
 
@@ -267,7 +268,6 @@ def test_mocha_held_out_clients_are_scored_with_the_mean_task_model_not_an_all_z
     """A held-out task has no data: MOCHA keeps it decoupled (its row of W stays 0, Σ is estimated from
     the training tasks) and scores the new client with Σ_s p_s w_s over the training clients. Before the
     fix it was scored with the all-zero model: loss exactly ln C and accuracy 0 at every evaluation."""
-    import lightning as L
 
     from lightning_fedmeta.data import FederatedDataModule
 
@@ -280,9 +280,7 @@ def test_mocha_held_out_clients_are_scored_with_the_mean_task_model_not_an_all_z
 
     module = FederatedModule(model=nn.Linear(D, 2), algorithm={"name": "mocha", "local_iters": 20, "omega_every": 2},
                              clients_per_round=K - 1, holdout_clients=1)
-    trainer = L.Trainer(max_steps=6, max_epochs=-1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(module, FederatedDataModule(dataset=Tasks(), eval_every=3))
+    fit(module, FederatedDataModule(dataset=Tasks(), eval_every=3), 6)
     new = int(module.holdout[0])
     state = module.server_state
     training = ~module.is_holdout

@@ -17,18 +17,15 @@ from lightning_fedmeta.functional import Batch, ClientContext, tree_sq_norm, tre
 from lightning_fedmeta.sampling import sample_clients
 from lightning_fedmeta.state import flatten_state, map_state
 from tests.conftest import run_plain_rounds
-from tests.helpers import make_trainer, one_client, tiny_data, tiny_datamodule
+from tests.helpers import make_trainer, one_client, tiny_data, tiny_datamodule, tiny_module
 
 MTL_MEAN = {"name": "mtl_mean", "lam": 0.5, "local_lr": 0.2, "local_steps": 3, "batch_size": 4}
 DITTO = {"name": "ditto", "lam": 0.5, "local_lr": 0.2, "local_steps": 2, "personal_steps": 3, "batch_size": 4}
 
 
 def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3, init_seed: int = 0) -> FederatedModule:
-    torch.manual_seed(init_seed)
-    return FederatedModule(
-        model=nn.Linear(5, 3), algorithm=dict(algorithm), clients_per_round=clients_per_round,
-        client_batching=batching, seed=1,
-    )
+    return tiny_module(dict(algorithm), init_seed=init_seed, clients_per_round=clients_per_round,
+                       client_batching=batching, seed=1)
 
 
 def _personal(module: FederatedModule, key: str) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
 from lightning_fedmeta.algorithms.regularized import RegularizedMTL
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.state import flatten_state, map_state, unflatten_state
-from tests.helpers import make_trainer, tiny_data, tiny_datamodule
+from tests.helpers import fit, tiny_data, tiny_datamodule, tiny_module
 
 K = 6
 HELD_OUT = [1, 4]
@@ -213,13 +213,8 @@ def test_aggregate_keeps_the_mean_over_training_clients_with_first_time_clients(
 
 
 def _fit(algorithm: dict, rounds: int, clients_per_round: int, eval_every: int = 1) -> FederatedModule:
-    torch.manual_seed(0)
-    module = FederatedModule(
-        model=nn.Linear(5, 3), algorithm=dict(algorithm), clients_per_round=clients_per_round, holdout_clients=2,
-        seed=3,
-    )
-    make_trainer(rounds).fit(module, tiny_datamodule(eval_every=eval_every))
-    return module
+    module = tiny_module(dict(algorithm), clients_per_round=clients_per_round, holdout_clients=2, seed=3)
+    return fit(module, tiny_datamodule(eval_every=eval_every), rounds)
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:

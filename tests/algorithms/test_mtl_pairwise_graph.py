@@ -19,7 +19,7 @@ from lightning_fedmeta.algorithms.regularized import clipped_cosine_similarity, 
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.state import flatten_state, map_state
 from tests.conftest import run_plain_rounds
-from tests.helpers import tiny_data
+from tests.helpers import tiny_data, tiny_module
 
 CHAIN = [[i, i + 1] for i in range(5)]
 PAIRWISE = {"name": "mtl_pairwise", "lam": 0.3, "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
@@ -27,11 +27,7 @@ GRAPH = {"name": "mtl_graph", "lam": 0.3, "local_lr": 0.2, "local_steps": 2, "ba
 
 
 def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3) -> FederatedModule:
-    torch.manual_seed(0)
-    return FederatedModule(
-        model=nn.Linear(5, 3), algorithm=dict(algorithm), clients_per_round=clients_per_round,
-        client_batching=batching, seed=2,
-    )
+    return tiny_module(dict(algorithm), clients_per_round=clients_per_round, client_batching=batching, seed=2)
 
 
 def _personal(module: FederatedModule) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from lightning_fedmeta.algorithms.shared_representation import FedPer, FedRep, h
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.state import flatten_state, map_state
 from tests.conftest import run_plain_rounds
-from tests.helpers import one_client, tiny_data
+from tests.helpers import one_client, tiny_data, tiny_module
 
 FEDREP = {"name": "fedrep", "local_lr": 0.2, "local_steps": 2, "head_steps": 2, "batch_size": 4}
 FEDPER = {"name": "fedper", "local_lr": 0.2, "local_steps": 3, "batch_size": 4}
@@ -25,10 +25,8 @@ def _net() -> nn.Module:
 
 
 def _module(algorithm: dict, batching: str = "loop", clients_per_round: int = 3) -> FederatedModule:
-    torch.manual_seed(0)
-    return FederatedModule(
-        model=_net(), algorithm=dict(algorithm), clients_per_round=clients_per_round, client_batching=batching, seed=3
-    )
+    return tiny_module(dict(algorithm), model=_net, clients_per_round=clients_per_round, client_batching=batching,
+                       seed=3)
 
 
 def test_default_head_is_the_last_layer() -> None:

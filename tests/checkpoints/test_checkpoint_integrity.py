@@ -34,23 +34,17 @@ from lightning_fedmeta.checkpointing import (
     verify_checkpoint,
 )
 from lightning_fedmeta.cli import FedMetaConfigError, run
-from tests.helpers import REPO, make_trainer, tiny_datamodule
+from tests.helpers import REPO, make_trainer, momentum_module, tiny_datamodule
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 SCAFFOLD = {"name": "scaffold", "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
-
-
-def _module() -> FederatedModule:
-    torch.manual_seed(0)
-    return FederatedModule(model=nn.Linear(5, 3), algorithm=SCAFFOLD, clients_per_round=3, seed=4,
-                           server_optimizer=lambda p: torch.optim.SGD(p, lr=0.8, momentum=0.9))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FederatedModule]:
     """A SCAFFOLD checkpoint after 2 rounds, and the module that wrote it."""
     path = tmp_path_factory.mktemp("integrity") / "good.ckpt"
-    module = _module()
+    module = momentum_module(SCAFFOLD)
     trainer = make_trainer(2)
     trainer.fit(module, tiny_datamodule())
     trainer.save_checkpoint(path)
@@ -120,7 +114,7 @@ class _Counter(Callback):
 def test_the_checksum_is_written_last_and_covers_every_entry() -> None:
     """``on_save_checkpoint`` runs last in Lightning's ``dump_checkpoint``: the sealed dict is what is saved, and
     every entry but the version string is covered (callbacks' states included)."""
-    module = _module()
+    module = momentum_module(SCAFFOLD)
     trainer = make_trainer(2, callbacks=[_Counter()])
     trainer.fit(module, tiny_datamodule())
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
@@ -184,9 +178,9 @@ def test_a_damaged_checkpoint_is_named_by_every_python_entry_point(
     bad = _damage(saved[0], how, tmp_path / f"{how}.ckpt")
     with pytest.raises(CheckpointDamagedError, match=DAMAGED.format(name=f"{how}.ckpt")) as info:
         if entry == "fit":
-            make_trainer(4).fit(_module(), tiny_datamodule(), ckpt_path=str(bad))
+            make_trainer(4).fit(momentum_module(SCAFFOLD), tiny_datamodule(), ckpt_path=str(bad))
         elif entry == "validate":
-            make_trainer(4).validate(_module(), tiny_datamodule(), ckpt_path=str(bad), verbose=False)
+            make_trainer(4).validate(momentum_module(SCAFFOLD), tiny_datamodule(), ckpt_path=str(bad), verbose=False)
         else:
             FederatedModule.load_from_checkpoint(bad, model=nn.Linear(5, 3))
     assert "weights_only" not in str(info.value)  # never the unsafe advice torch gives for a damaged file
@@ -230,7 +224,7 @@ def test_a_checkpoint_without_checksum_loads_with_a_warning(saved: tuple[Path, F
         assert torch.equal(loaded.client_states.state_dict()[k], v), k
     with pytest.warns(CheckpointWithoutChecksumWarning):
         trainer = make_trainer(3)
-        trainer.fit(_module(), tiny_datamodule(), ckpt_path=str(path))
+        trainer.fit(momentum_module(SCAFFOLD), tiny_datamodule(), ckpt_path=str(path))
     assert trainer.global_step == 3
 
 
@@ -262,17 +256,17 @@ class _MyIO(TorchCheckpointIO):
 def test_the_module_installs_the_atomic_io_but_keeps_a_users_own() -> None:
     trainer = make_trainer(1)
     assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO
-    trainer.fit(_module(), tiny_datamodule())
+    trainer.fit(momentum_module(SCAFFOLD), tiny_datamodule())
     assert type(trainer.strategy.checkpoint_io) is AtomicCheckpointIO
     mine = _MyIO()
     trainer = make_trainer(1, plugins=[mine])
-    trainer.fit(_module(), tiny_datamodule())
+    trainer.fit(momentum_module(SCAFFOLD), tiny_datamodule())
     assert trainer.strategy.checkpoint_io is mine
 
 
 def test_a_save_interrupted_mid_write_leaves_the_previous_checkpoint(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    module = _module()
+    module = momentum_module(SCAFFOLD)
     trainer = make_trainer(2)
     trainer.fit(module, tiny_datamodule())
     path = tmp_path / "last.ckpt"

@@ -17,34 +17,25 @@ from lightning_fedmeta.checkpointing import seal_checkpoint
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 from lightning_fedmeta.state import flatten_state
 from lightning_fedmeta.testing import check_algorithm
-from tests.helpers import make_trainer, tiny_data, tiny_datamodule
-
-
-def _module(algorithm: dict, init_seed: int = 0) -> FederatedModule:
-    torch.manual_seed(init_seed)
-    return FederatedModule(
-        model=nn.Linear(5, 3), algorithm=algorithm, clients_per_round=3, seed=4,
-        server_optimizer=lambda p: torch.optim.SGD(p, lr=0.8, momentum=0.9),  # optimizer state must resume too
-    )
-
+from tests.helpers import make_trainer, momentum_module, tiny_data, tiny_datamodule
 
 SCAFFOLD = {"name": "scaffold", "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
 
 
 @pytest.mark.parametrize("eval_every", [2, 3], ids=["at-epoch-end", "mid-epoch"])
 def test_resumed_run_is_bit_identical_to_uninterrupted_run(tmp_path: Path, eval_every: int) -> None:
-    straight = _module(SCAFFOLD)
+    straight = momentum_module(SCAFFOLD)
     make_trainer(8).fit(straight, tiny_datamodule(eval_every=eval_every))
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, save_last=True)
-    first = _module(SCAFFOLD)
+    first = momentum_module(SCAFFOLD)
     make_trainer(4, enable_checkpointing=True, callbacks=[ckpt]).fit(first, tiny_datamodule(eval_every=eval_every))
     path = tmp_path / "last.ckpt"
     assert path.exists()
     # plain values only: Trainer.fit(ckpt_path=...) loads with torch.load(weights_only=True)
     assert torch.load(path, weights_only=True)["global_step"] == 4
 
-    resumed = _module(SCAFFOLD, init_seed=123)  # different initial weights: they must come from the checkpoint
+    resumed = momentum_module(SCAFFOLD, init_seed=123)  # different initial weights: they must come from the checkpoint
     trainer = make_trainer(8)
     trainer.fit(resumed, tiny_datamodule(eval_every=eval_every), ckpt_path=str(path))
     assert trainer.global_step == 8
@@ -80,7 +71,7 @@ def test_load_from_checkpoint_rebuilds_default_model_and_state(tmp_path: Path) -
 
 
 def test_load_from_checkpoint_with_a_custom_model_passed_again(tmp_path: Path) -> None:
-    module = _module(SCAFFOLD)
+    module = momentum_module(SCAFFOLD)
     trainer = make_trainer(2)
     trainer.fit(module, tiny_datamodule())
     path = tmp_path / "custom.ckpt"
@@ -102,7 +93,7 @@ def test_testing_a_checkpoint_reproduces_the_validation_at_its_round(tmp_path: P
     checkpoint's round, so it reports what validation reported at that round."""
     algorithm = {"name": "fedavg", "local_lr": 0.2, "local_steps": 2, "batch_size": 4,
                  "finetune_steps": 2, "finetune_batch_size": 2}
-    module = _module(algorithm)
+    module = momentum_module(algorithm)
     trainer = make_trainer(2)
     trainer.fit(module, tiny_datamodule(eval_every=2))
     val = dict(trainer.callback_metrics)
@@ -110,7 +101,8 @@ def test_testing_a_checkpoint_reproduces_the_validation_at_its_round(tmp_path: P
     trainer.save_checkpoint(path)
 
     tester = make_trainer(1)
-    tester.test(_module(algorithm, init_seed=5), tiny_datamodule(eval_every=2), ckpt_path=str(path), verbose=False)
+    tester.test(momentum_module(algorithm, init_seed=5), tiny_datamodule(eval_every=2), ckpt_path=str(path),
+                verbose=False)
     for name in ("acc_weighted", "acc_mean", "loss_weighted"):
         torch.testing.assert_close(tester.callback_metrics[f"test/{name}"], val[f"val/{name}"])
 
@@ -184,11 +176,11 @@ def test_nested_state_algorithm_passes_check_algorithm() -> None:
 
 
 def test_nested_state_resumes_bit_exact_and_is_saved_flat(tmp_path: Path) -> None:
-    straight = _module(NESTED)
+    straight = momentum_module(NESTED)
     make_trainer(6).fit(straight, tiny_datamodule(eval_every=3))
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)
-    first = _module(NESTED)
+    first = momentum_module(NESTED)
     make_trainer(3, enable_checkpointing=True, callbacks=[ckpt]).fit(first, tiny_datamodule(eval_every=3))
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["fedmeta"]
     # the checkpoint holds flat string keys, nested levels joined by "/"
@@ -196,7 +188,7 @@ def test_nested_state_resumes_bit_exact_and_is_saved_flat(tmp_path: Path) -> Non
     assert set(saved["server_state"]) == {"drift/sum/weight", "drift/sum/bias", "rounds"}
     assert int(saved["client_state"]["stats/rounds"].sum()) == 3 * 3
 
-    resumed = _module(NESTED, init_seed=1)
+    resumed = momentum_module(NESTED, init_seed=1)
     make_trainer(6).fit(resumed, tiny_datamodule(eval_every=3), ckpt_path=str(tmp_path / "last.ckpt"))
     assert isinstance(resumed.client_states.tensors["personal"], dict)
     assert isinstance(resumed.server_state["drift"]["sum"], dict)
@@ -216,7 +208,7 @@ def test_nested_state_resumes_bit_exact_and_is_saved_flat(tmp_path: Path) -> Non
 
 def test_a_flat_key_checkpoint_loads_as_flat_state(tmp_path: Path) -> None:
     """Checkpoints written before nested state (keys like ``c_i.weight``, no ``/``) load as the same flat dicts."""
-    module = _module(SCAFFOLD)
+    module = momentum_module(SCAFFOLD)
     trainer = make_trainer(2)
     trainer.fit(module, tiny_datamodule())
     path = tmp_path / "m.ckpt"
@@ -227,7 +219,7 @@ def test_a_flat_key_checkpoint_loads_as_flat_state(tmp_path: Path) -> None:
     checkpoint["fedmeta"]["client_state"] = flat_client
     checkpoint["fedmeta"]["server_state"] = flat_server
     seal_checkpoint(checkpoint)  # an edited checkpoint is re-sealed, or its checksum reports it damaged
-    loaded = _module(SCAFFOLD)
+    loaded = momentum_module(SCAFFOLD)
     loaded.on_load_checkpoint(checkpoint)
     assert set(loaded.client_states.tensors) == set(flat_client)
     assert set(loaded.server_state) == set(flat_server)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_fedmeta.data import FederatedData, FederatedDataModule
+from tests.helpers import make_trainer
 
 
 class _TinyUserDataset:
@@ -143,10 +144,7 @@ def test_one_training_epoch_is_eval_every_rounds_with_one_validation_step() -> N
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     model = Recorder()
-    trainer = L.Trainer(
-        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
-    )
+    trainer = make_trainer(-1, max_epochs=2)  # two epochs of the round loader
     trainer.fit(model, datamodule=FederatedDataModule(num_clients=5, eval_every=3))
     assert model.rounds == [0, 1, 2, 0, 1, 2]
     assert model.val_steps == 2

@@ -1,6 +1,6 @@
 """Train a tiny SCAFFOLD run and save the final global model, client and server state.
 
-    python tests/ddp_worker.py OUT.pt [DEVICES] [VARIANT]
+    python tests/distributed/ddp_worker.py OUT.pt [DEVICES] [VARIANT]
 
 ``VARIANT`` ``unreliable`` adds dropouts, over-selection, stragglers' budgets, Byzantine clients (ALIE) and a
 trimmed-mean aggregator to the run (docs/reliability.md); ``private`` adds DP-FedAvg with adaptive clipping.

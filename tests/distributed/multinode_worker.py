@@ -1,7 +1,7 @@
 """A tiny Ditto run with the disk-backed client state, launched as one process per "node" by ``torchrun``:
 
     torchrun --nnodes 2 --nproc_per_node 1 --node_rank N --master_addr 127.0.0.1 --master_port P \\
-        tests/multinode_worker.py OUT_DIR
+        tests/distributed/multinode_worker.py OUT_DIR
 
 Lightning reads the torchrun environment (``TorchElasticEnvironment``) and runs ``num_nodes=2, devices=1,
 strategy="ddp"`` on CPU (gloo). Every node keeps its client state in its own folder ``OUT_DIR/node<N>`` (nodes share

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule, from_client_tensors
 from lightning_fedmeta.data import FederatedDataModule
-from tests.helpers import make_tiny_clients, make_trainer
+from tests.helpers import fit, make_tiny_clients, make_trainer
 
 
 class BNNet(nn.Module):
@@ -44,8 +44,7 @@ def _module(batching: str = "auto", algorithm: dict | None = None) -> FederatedM
 
 
 def _fit(module: FederatedModule, rounds: int = 4, **kwargs: object) -> FederatedModule:
-    make_trainer(rounds, **kwargs).fit(module, FederatedDataModule(dataset=Clients(), eval_every=2))
-    return module
+    return fit(module, FederatedDataModule(dataset=Clients(), eval_every=2), rounds, **kwargs)
 
 
 def test_each_client_is_evaluated_with_its_own_running_statistics() -> None:

@@ -10,7 +10,7 @@ clients of unequal sizes with 2 of 8 held out and 3 sampled per round:
 
 That the logged evaluation of every client equals ``personalize(i)`` and that never-trained clients do
 not read their initial state is checked for every algorithm by ``lightning_fedmeta.testing``
-(tests/test_algorithm_conformance.py).
+(tests/algorithms/test_algorithm_conformance.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from torch import nn
 from lightning_fedmeta import FederatedModule, from_client_tensors
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.registry import list_algorithms
-from tests.helpers import make_tiny_clients, make_trainer
+from lightning_fedmeta.testing import tiny_clients
+from tests.helpers import make_tiny_clients, make_trainer, tanh_mlp, tiny_linear
 
 NUM_CLIENTS = 8
 HOLDOUT = 2
@@ -43,20 +44,8 @@ def _names() -> list[str]:
     return sorted(entry.name for entry in list_algorithms())
 
 
-class _Clients:
-    """Eight clients of a 3-class problem with unequal sizes (a user FederatedDataset)."""
-
-    num_classes = 3
-
-    def client_data(self) -> list:
-        return make_tiny_clients(NUM_CLIENTS, seed=4, train_sizes=SIZES, test_size=6)
-
-
 def _model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name in LINEAR_ONLY:
-        return nn.Linear(5, 3)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    return tiny_linear() if name in LINEAR_ONLY else tanh_mlp()
 
 
 def _module(name: str, **kwargs: Any) -> FederatedModule:
@@ -77,7 +66,7 @@ def trained() -> dict[str, FederatedModule]:
     runs = {}
     for name in _names():
         module = _module(name)
-        make_trainer(4).fit(module, FederatedDataModule(dataset=_Clients(), eval_every=2))
+        make_trainer(4).fit(module, FederatedDataModule(dataset=tiny_clients(), eval_every=2))
         runs[name] = module
     return runs
 
@@ -117,7 +106,7 @@ def test_records_weigh_the_training_clients_only_and_mark_who_has_trained() -> N
         assert not bool(rec.seen.any())
     # seen flips for exactly the clients of a completed round
     module = FederatedModule(model=_model("fedavg"), clients_per_round=3, holdout_clients=HOLDOUT)
-    make_trainer(1).fit(module, FederatedDataModule(dataset=_Clients(), eval_every=1))
+    make_trainer(1).fit(module, FederatedDataModule(dataset=tiny_clients(), eval_every=1))
     assert module.seen is not None and int(module.seen.sum()) == 3
     assert not bool(module.seen[module.holdout].any())
 

@@ -2,7 +2,7 @@
 
 Most tests compile with dynamo's ``"eager"`` backend: it exercises everything this library adds (leaving the
 clients' vmap, the programs' keys and guards, static arguments, fallbacks) in a fraction of inductor's
-compile time; ``tests/test_compile_clients.py`` runs inductor itself.
+compile time; ``tests/engine/test_compile_clients.py`` runs inductor itself.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.compiled import AUTO_COMPILE_SECONDS, PrimitiveCompiler, describe_decision, worth_compiling
 from lightning_fedmeta.functional import Batch, ClientContext
 from tests.conftest import run_plain_rounds
-from tests.helpers import tiny_data, tiny_datamodule
+from tests.helpers import fit, tiny_data, tiny_datamodule, tiny_module
 
 ALGORITHMS: list[dict[str, Any]] = [
     {"name": "fedavg", "local_lr": 0.1},
@@ -160,18 +159,10 @@ def test_auto_decision_rule() -> None:
 
 
 def _fit(tmp_path: Any, steps: int, ckpt: str | None = None, **kwargs: Any) -> FederatedModule:
-    torch.manual_seed(0)
-    module = FederatedModule(
-        model=nn.Linear(5, 3), algorithm={"name": "fedavg", "local_steps": 2, "batch_size": 4},
-        clients_per_round=3, **kwargs,
-    )
+    module = tiny_module({"name": "fedavg", "local_steps": 2, "batch_size": 4}, **kwargs)
     module.compiler.backend = "eager"
-    trainer = L.Trainer(
-        max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path, num_sanity_val_steps=0,
-    )
-    trainer.fit(module, datamodule=tiny_datamodule(eval_every=100), ckpt_path=ckpt)
-    return module
+    return fit(module, tiny_datamodule(eval_every=100), steps, ckpt_path=ckpt, enable_checkpointing=True,
+               default_root_dir=tmp_path)
 
 
 def test_auto_stays_eager_for_a_short_run_and_the_decision_is_kept_in_the_checkpoint(tmp_path: Any) -> None:

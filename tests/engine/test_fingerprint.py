@@ -6,14 +6,14 @@ clipping), per-client BatchNorm statistics and a FedOpt server optimizer, a shor
 (two held out) is reduced to SHA-256 hashes of its exact numbers: the global parameters and buffers, the server
 optimizer's state, every client's state and running statistics, the server state, the ``seen`` flags, the
 per-client metric states and the logged summaries (training and validation). The file
-``tests/fingerprints.json`` stores them; a refactoring that claims to change no number must leave every hash as
+``tests/engine/fingerprints.json`` stores them; a refactoring that claims to change no number must leave every hash as
 it is.
 
 The numbers are read only through public interfaces (a checkpoint written by ``trainer.save_checkpoint`` and
 ``trainer.callback_metrics``), so the test needs no change when the code behind them moves.
 
 Regenerate (only for a change that is meant to change numbers, and say so in the commit):
-``FEDMETA_WRITE_FINGERPRINTS=1 python -m pytest tests/test_fingerprint.py``.
+``FEDMETA_WRITE_FINGERPRINTS=1 python -m pytest tests/engine/test_fingerprint.py``.
 """
 
 from __future__ import annotations

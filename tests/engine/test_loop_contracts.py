@@ -7,19 +7,13 @@ import math
 import lightning as L
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.metrics import ClientMetrics
 from lightning_fedmeta.sampling import draw_batch_indices, sample_clients
 from lightning_fedmeta.state import flatten_state
-from tests.helpers import make_trainer, tiny_data, tiny_datamodule
-
-
-def _linear(seed: int = 0) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(5, 3)
-
+from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_linear
 
 ALGORITHMS = {
     "fedavg": {"name": "fedavg", "local_lr": 0.2, "local_steps": 3, "batch_size": 4},
@@ -32,7 +26,7 @@ ALGORITHMS = {
 def test_loop_and_vmap_client_paths_give_the_same_global_model(name: str) -> None:
     results = {}
     for mode in ("loop", "vmap"):
-        module = FederatedModule(model=_linear(), algorithm=ALGORITHMS[name], clients_per_round=4,
+        module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS[name], clients_per_round=4,
                                  client_batching=mode, seed=3)
         make_trainer(3).fit(module, tiny_datamodule(eval_every=10))
         assert module.batching == mode
@@ -44,13 +38,13 @@ def test_loop_and_vmap_client_paths_give_the_same_global_model(name: str) -> Non
         torch.testing.assert_close(flatten_state(vmapped.client_states.tensors)[k], v, atol=1e-6, rtol=0)
     for k, v in flatten_state(loop.server_state).items():
         torch.testing.assert_close(flatten_state(vmapped.server_state)[k], v, atol=1e-6, rtol=0)
-    assert not torch.equal(loop.model.weight, _linear().weight)
+    assert not torch.equal(loop.model.weight, tiny_linear().weight)
 
 
 def test_vmap_chunks_give_the_same_round_as_one_call() -> None:
     outs = []
     for chunk in (None, 2):
-        module = FederatedModule(model=_linear(), algorithm=ALGORITHMS["scaffold"], clients_per_round=5,
+        module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS["scaffold"], clients_per_round=5,
                                  client_batching="vmap", client_chunk_size=chunk)
         module.attach_data(tiny_data())
         outs.append(module.compute_round(0))
@@ -61,7 +55,7 @@ def test_vmap_chunks_give_the_same_round_as_one_call() -> None:
 
 
 def test_one_training_step_is_one_round() -> None:
-    module = FederatedModule(model=_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=2)
+    module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=2)
     trainer = make_trainer(5)
     trainer.fit(module, tiny_datamodule(eval_every=2))
     assert trainer.global_step == 5
@@ -84,14 +78,14 @@ def test_sampling_is_a_pure_function_of_seed_and_round() -> None:
     draws = []
     for global_seed in (1, 12345):
         torch.manual_seed(global_seed)  # the global RNG must not matter
-        module = FederatedModule(model=_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=3, seed=5)
+        module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=3, seed=5)
         module.attach_data(tiny_data())
         torch.rand(100)
         draws.append([_round_draw(module, r) for r in range(4)])
     for (c1, i1), (c2, i2) in zip(*draws, strict=True):
         assert torch.equal(c1, c2) and torch.equal(i1, i2)
     # the module's own round uses the same clients
-    module = FederatedModule(model=_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=3, seed=5)
+    module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=3, seed=5)
     module.attach_data(tiny_data())
     sampled, _, _ = module.compute_round(2)
     assert torch.equal(sampled, draws[0][2][0])
@@ -108,7 +102,7 @@ def test_different_module_seeds_draw_different_clients() -> None:
     data = tiny_data()
     picks = []
     for seed in (0, 1):
-        module = FederatedModule(model=_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=3, seed=seed)
+        module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS["fedavg"], clients_per_round=3, seed=seed)
         module.attach_data(data)
         picks.append(torch.stack([_round_draw(module, r)[0] for r in range(6)]))
     assert not torch.equal(picks[0], picks[1])
@@ -124,7 +118,7 @@ class StatePerRound(L.Callback):
 
 def test_partial_participation_leaves_non_sampled_client_state_untouched() -> None:
     rec = StatePerRound()
-    module = FederatedModule(model=_linear(), algorithm=ALGORITHMS["scaffold"], clients_per_round=2, seed=11)
+    module = FederatedModule(model=tiny_linear(), algorithm=ALGORITHMS["scaffold"], clients_per_round=2, seed=11)
     make_trainer(3, callbacks=[rec]).fit(module, tiny_datamodule(eval_every=10))
     previous = {k: torch.zeros_like(v) for k, v in rec.states[0].items()}
     for r, state in enumerate(rec.states):

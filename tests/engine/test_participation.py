@@ -23,15 +23,14 @@ from lightning_fedmeta.participation import (
 )
 from lightning_fedmeta.sampling import generator_for, sample_clients
 from lightning_fedmeta.state import flatten_state
-from tests.helpers import make_trainer, tiny_data, tiny_datamodule
+from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_module
 
 
 def _linear_module(**kwargs) -> FederatedModule:
-    torch.manual_seed(0)
     options = dict(algorithm={"name": "fedavg", "local_steps": 3, "local_lr": 0.3, "batch_size": None},
                    clients_per_round=4, client_batching="vmap", compile_clients=False, seed=5)
     options.update(kwargs)
-    return FederatedModule(model=nn.Linear(5, 3), **options)
+    return tiny_module(**options)
 
 
 def _survivors_by_hand(seed: int, r: int, candidates: list[int], p: float, keep: int) -> list[int]:

@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.callbacks import HISTORY_FILE, PlotCallback, read_history
 from lightning_fedmeta.cli import run
 from lightning_fedmeta.data import datamodule as dm_module
-from tests.helpers import REPO, make_trainer, tiny_datamodule
+from tests.helpers import REPO, make_trainer, tiny_datamodule, tiny_module
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -109,8 +108,7 @@ FEDAVG = {"name": "fedavg", "local_lr": 0.2, "local_steps": 2, "batch_size": 4, 
 
 
 def _module(init_seed: int = 0) -> FederatedModule:
-    torch.manual_seed(init_seed)
-    return FederatedModule(model=nn.Linear(5, 3), algorithm=FEDAVG, clients_per_round=3, seed=1)
+    return tiny_module(FEDAVG, init_seed=init_seed, seed=1)
 
 
 def _rounds(history: list[dict]) -> list[int]:

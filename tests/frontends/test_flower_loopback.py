@@ -5,8 +5,8 @@ Checks: both runs finish; their final global models equal the in-process ``Feder
 config to 1e-5 (the restarted node's messages are sent again to its new node id, so no round loses a client);
 the restarted node's personal Ditto state, restored from its state file, equals the in-process client state.
 Only the processes this test starts are stopped (by their PID / process group, in a ``finally``); every wait
-has a timeout. Run with ``pytest -m flower_loopback tests/test_flower_loopback.py``: 5.5–6.5 minutes on 2 cores
-shared with other jobs (load 7–9). Nearly all of it is Flower's process per message: each ClientApp process
+has a timeout. Run with ``pytest -m flower_loopback tests/frontends/test_flower_loopback.py``: 5.5–6.5 minutes on
+2 cores shared with other jobs (load 7–9). Nearly all of it is Flower's process per message: each ClientApp process
 spends about 6 s of CPU importing torch and Lightning.
 """
 

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_fedmeta import FederatedData, FederatedDataset, FederatedModule, from_client_tensors
 from lightning_fedmeta.callbacks import PlotCallback, RoundProgressBar
 from lightning_fedmeta.data import FederatedDataModule
+from tests.helpers import make_trainer
 
 NUM_CLASSES = 4
 
@@ -88,13 +89,7 @@ class UserImageClients:
 
 
 def _trainer(tmp_path: Path, max_steps: int, **kwargs: object) -> L.Trainer:
-    defaults: dict[str, object] = {
-        "max_steps": max_steps, "max_epochs": -1, "logger": False, "enable_checkpointing": False,
-        "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-        "default_root_dir": str(tmp_path),
-    }
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)  # type: ignore[arg-type]
+    return make_trainer(max_steps, default_root_dir=str(tmp_path), **kwargs)
 
 
 def _synthetic_dm(eval_every: int = 2, seed: int = 0) -> FederatedDataModule:

@@ -33,6 +33,7 @@ from lightning_fedmeta.plots import (
     plot_metric_vs_round,
     worst_decile_mean,
 )
+from tests.helpers import make_trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -50,9 +51,7 @@ def _fit(root: Path, local_lr: float, holdout: int = 0) -> tuple[L.Trainer, Fede
     dm = FederatedDataModule(dataset="synthetic", num_clients=10, eval_every=2)
     module = FederatedModule(algorithm={"name": "fedavg", "local_lr": local_lr, "local_steps": 3},
                              clients_per_round=3, holdout_clients=holdout)
-    trainer = L.Trainer(max_steps=4, max_epochs=-1, default_root_dir=str(root), logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[PlotCallback()])
+    trainer = make_trainer(4, default_root_dir=str(root), callbacks=[PlotCallback()])
     trainer.fit(module, dm)
     return trainer, module
 

@@ -39,7 +39,7 @@ from lightning_fedmeta.validation import (
     validate_client_output,
     validate_init_client_states,
 )
-from tests.helpers import make_trainer
+from tests.helpers import fit
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,8 +308,7 @@ def test_client_record_is_one_clients_unstacked_record() -> None:
 def _fit(algorithm: Algorithm, rounds: int = 1, **kwargs: Any) -> FederatedModule:
     module = FederatedModule(model=tiny_mlp(), algorithm=algorithm, clients_per_round=3, holdout_clients=2,
                              **kwargs)
-    make_trainer(rounds).fit(module, FederatedDataModule(dataset=tiny_clients(), eval_every=rounds))
-    return module
+    return fit(module, FederatedDataModule(dataset=tiny_clients(), eval_every=rounds), rounds)
 
 
 @pytest.mark.parametrize("batching", ["vmap", "loop"])

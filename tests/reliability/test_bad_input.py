@@ -13,12 +13,7 @@ from torch import Tensor, nn
 from lightning_fedmeta import FederatedModule, create_algorithm
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.sampling import sample_clients
-from tests.helpers import TinyDataset, make_tiny_clients, make_trainer, tiny_data, tiny_datamodule
-
-
-def _linear() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
+from tests.helpers import TinyDataset, make_tiny_clients, make_trainer, tiny_data, tiny_datamodule, tiny_linear
 
 
 def _written(root: Path) -> list[Path]:
@@ -39,16 +34,16 @@ def _fit_expecting(error: type[Exception], match: str, tmp_path: Path, module: F
 # ----------------------------------------------------------------------------------------------
 def test_unknown_algorithm_name_lists_the_available_ones() -> None:
     with pytest.raises(ValueError, match="unknown algorithm 'fedavgg'") as info:
-        FederatedModule(model=_linear(), algorithm="fedavgg")
+        FederatedModule(model=tiny_linear(), algorithm="fedavgg")
     for name in ("fedavg", "fedprox", "scaffold"):
         assert name in str(info.value)
     with pytest.raises(ValueError, match="available: .*fedavg"):
-        FederatedModule(model=_linear(), algorithm={"name": "nope", "local_lr": 0.1})
+        FederatedModule(model=tiny_linear(), algorithm={"name": "nope", "local_lr": 0.1})
 
 
 def test_algorithm_mapping_without_name_is_rejected() -> None:
     with pytest.raises(ValueError, match="needs a 'name' key"):
-        FederatedModule(model=_linear(), algorithm={"local_lr": 0.1})
+        FederatedModule(model=tiny_linear(), algorithm={"local_lr": 0.1})
 
 
 def test_unknown_dataset_name_lists_the_available_ones() -> None:
@@ -62,17 +57,17 @@ def test_unknown_dataset_name_lists_the_available_ones() -> None:
 @pytest.mark.parametrize("clients_per_round", [0, -2])
 def test_non_positive_clients_per_round_is_rejected(clients_per_round: int) -> None:
     with pytest.raises(ValueError, match=rf"clients_per_round must be an integer >= 1.*got {clients_per_round}"):
-        FederatedModule(model=_linear(), clients_per_round=clients_per_round)
+        FederatedModule(model=tiny_linear(), clients_per_round=clients_per_round)
 
 
 def test_more_clients_per_round_than_clients_fails_before_round_one(tmp_path: Path) -> None:
-    module = FederatedModule(model=_linear(), clients_per_round=7)
+    module = FederatedModule(model=tiny_linear(), clients_per_round=7)
     _fit_expecting(ValueError, "clients_per_round=7 exceeds the 6 training clients", tmp_path, module,
                    tiny_datamodule())
 
 
 def test_more_clients_per_round_than_non_held_out_clients_is_rejected(tmp_path: Path) -> None:
-    module = FederatedModule(model=_linear(), clients_per_round=5, holdout_clients=2)
+    module = FederatedModule(model=tiny_linear(), clients_per_round=5, holdout_clients=2)
     _fit_expecting(ValueError, r"exceeds the 4 training clients \(6 clients, 2 held out\)", tmp_path, module,
                    tiny_datamodule())
 
@@ -80,7 +75,7 @@ def test_more_clients_per_round_than_non_held_out_clients_is_rejected(tmp_path: 
 @pytest.mark.parametrize("fraction", [0.0, 1.5, -0.1])
 def test_fraction_outside_zero_one_is_rejected(fraction: float) -> None:
     with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
-        FederatedModule(model=_linear(), fraction=fraction)
+        FederatedModule(model=tiny_linear(), fraction=fraction)
 
 
 @pytest.mark.parametrize(
@@ -100,13 +95,13 @@ def test_impossible_hyper_parameters_name_the_value(name: str, hparams: dict, me
     with pytest.raises(ValueError, match=re.escape(message)):
         create_algorithm(name, **hparams)
     with pytest.raises(ValueError, match=re.escape(message)):
-        FederatedModule(model=_linear(), algorithm={"name": name, **hparams})
+        FederatedModule(model=tiny_linear(), algorithm={"name": name, **hparams})
 
 
 @pytest.mark.parametrize("server_lr", [-1.0, float("nan"), float("inf")])
 def test_negative_server_lr_is_rejected(server_lr: float) -> None:
     with pytest.raises(ValueError, match="server_lr must be a finite number >= 0"):
-        FederatedModule(model=_linear(), server_lr=server_lr)
+        FederatedModule(model=tiny_linear(), server_lr=server_lr)
 
 
 @pytest.mark.parametrize("alpha", [0, -1.0])
@@ -117,11 +112,11 @@ def test_dirichlet_alpha_must_be_positive(alpha: float) -> None:
 
 def test_unknown_choices_of_the_module_are_rejected() -> None:
     with pytest.raises(ValueError, match="aggregation must be 'samples' or 'uniform'"):
-        FederatedModule(model=_linear(), aggregation="median")  # type: ignore[arg-type]
+        FederatedModule(model=tiny_linear(), aggregation="median")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="client_batching must be"):
-        FederatedModule(model=_linear(), client_batching="threads")  # type: ignore[arg-type]
+        FederatedModule(model=tiny_linear(), client_batching="threads")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="holdout_clients=6 leaves no training client"):
-        FederatedModule(model=_linear(), holdout_clients=6).attach_data(tiny_data())
+        FederatedModule(model=tiny_linear(), holdout_clients=6).attach_data(tiny_data())
 
 
 def test_vmap_requested_for_a_model_with_dropout_says_why() -> None:
@@ -158,7 +153,7 @@ class _DatasetWithEmptyClient(TinyDataset):
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_partition_leaving_a_client_empty_names_the_client(tmp_path: Path, split: str) -> None:
     dm = FederatedDataModule(dataset=_DatasetWithEmptyClient(split))
-    module = FederatedModule(model=_linear(), clients_per_round=2)
+    module = FederatedModule(model=tiny_linear(), clients_per_round=2)
     _fit_expecting(ValueError, rf"1 client\(s\) with no {split} samples: cleo \(index 2\)", tmp_path, module, dm)
 
 
@@ -199,7 +194,7 @@ def test_non_finite_loss_names_round_and_client_and_keeps_last_checkpoint(tmp_pa
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True)
     module = FederatedModule(
-        model=_linear(), algorithm={"name": "fedavg", "local_lr": 0.1, "local_steps": 3, "batch_size": None},
+        model=tiny_linear(), algorithm={"name": "fedavg", "local_lr": 0.1, "local_steps": 3, "batch_size": None},
         clients_per_round=per_round, seed=seed,
     )
     trainer = make_trainer(5, enable_checkpointing=True, callbacks=[ckpt])
@@ -231,11 +226,11 @@ def test_non_finite_loss_names_round_and_client_and_keeps_last_checkpoint(tmp_pa
 def test_fraction_and_clients_per_round_together_are_refused() -> None:
     """The docs say exclusive; the old code silently used ``fraction``."""
     with pytest.raises(ValueError, match=r"clients_per_round or fraction, not both.*clients_per_round=3.*fraction=0.5"):
-        FederatedModule(model=_linear(), clients_per_round=3, fraction=0.5)
-    module = FederatedModule(model=_linear(), fraction=0.5)
+        FederatedModule(model=tiny_linear(), clients_per_round=3, fraction=0.5)
+    module = FederatedModule(model=tiny_linear(), fraction=0.5)
     module.attach_data(tiny_data())
     assert module.num_sampled == 3
-    assert FederatedModule(model=_linear()).clients_per_round == 10  # neither given: the default
+    assert FederatedModule(model=tiny_linear()).clients_per_round == 10  # neither given: the default
 
 
 @pytest.mark.parametrize("name", ["ifca", "cfl", "mocha", "mtl_mean", "mtl_pairwise", "perfedmaml"])
@@ -243,15 +238,15 @@ def test_algorithms_updating_models_outside_the_server_optimizer_refuse_fedopt(n
     """FedAdam/FedYogi (or a server lr other than 1) would do nothing to these algorithms' cluster,
     personal or task models: refuse the combination at construction, naming the algorithm."""
     with pytest.raises(ValueError, match=rf"{name} updates its models outside the server optimizer"):
-        FederatedModule(model=_linear(), algorithm=name, server_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
+        FederatedModule(model=tiny_linear(), algorithm=name, server_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
     with pytest.raises(ValueError, match=r"server_lr=0.5"):
-        FederatedModule(model=_linear(), algorithm=name, server_lr=0.5)
-    FederatedModule(model=_linear(), algorithm=name)  # the default SGD(lr=1) is their exact server step
+        FederatedModule(model=tiny_linear(), algorithm=name, server_lr=0.5)
+    FederatedModule(model=tiny_linear(), algorithm=name)  # the default SGD(lr=1) is their exact server step
 
 
 def test_algorithms_stepped_by_the_server_optimizer_accept_fedopt() -> None:
     for name in ("fedavg", "scaffold", "ditto", "fedmaml", "fedrep"):
-        FederatedModule(model=_linear(), algorithm=name, server_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
+        FederatedModule(model=tiny_linear(), algorithm=name, server_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
 
 
 @pytest.mark.parametrize("outputs", [2, 7])

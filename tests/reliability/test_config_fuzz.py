@@ -37,7 +37,7 @@ from lightning_fedmeta.data.datamodule import DATASET_NAMES, PARTITION_NAMES, SY
 from lightning_fedmeta.losses import LOSSES
 from lightning_fedmeta.registry import list_algorithms, load_algorithm
 from lightning_fedmeta.robust import AGGREGATORS
-from tests.helpers import tiny_data
+from tests.helpers import tiny_data, tiny_linear
 
 K = 6  # clients of the tiny federation (tests.helpers.tiny_data)
 # derandomized (the same examples every run), no shrinking (a failing example is reported as drawn)
@@ -109,11 +109,6 @@ NOT_CALLABLE = st.integers() | st.text(max_size=5)
 NO_INVALID_BOOL = "every bool is valid"
 
 
-def _linear() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(5, 3)
-
-
 def _two_layers() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -126,7 +121,7 @@ MODULE_BASE: dict[str, Any] = {
     "algorithm": {"name": "fedavg", "local_steps": 1, "batch_size": 4}, "clients_per_round": 3,
 }
 MODULE_OPTIONS: dict[str, Option] = {
-    "model": Option(st.builds(_linear) | st.none(),
+    "model": Option(st.builds(tiny_linear) | st.none(),
                     st.sampled_from([lambda: nn.Linear(5, 4), lambda: nn.Linear(4, 3)]).map(lambda make: make())),
     "algorithm": Option(
         st.sampled_from(["fedavg", "fedprox", "scaffold", "ditto", "reptile", "perfedavg", "ifca", "mtl_mean"]),
@@ -225,7 +220,7 @@ COMMON_OPTIONS: dict[str, Option] = {
 
 #: each built-in algorithm: its base hyper-parameters and model, and a row per option of its own
 ALGORITHM_BASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module]]] = {
-    "fedper": ({}, _two_layers), "fedrep": ({}, _two_layers), "mtl_graph": ({"knn": 1}, _linear),
+    "fedper": ({}, _two_layers), "fedrep": ({}, _two_layers), "mtl_graph": ({"knn": 1}, tiny_linear),
 }
 HEAD_PREFIX = Option(st.none() | st.just("2."), st.just("zzz") | st.just("") | st.just(["0.", "2."]))
 ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
@@ -343,9 +338,9 @@ def _cases(invalid: bool) -> list[Any]:
 # ----------------------------------------------------------------------------------------------
 def _algorithm_spec(group: str, name: str, value: Any, row: Option) -> tuple[dict[str, Any], nn.Module]:
     if group == "common":
-        return {"name": "fedavg", "local_steps": 1, "batch_size": 4, name: value}, _linear()
+        return {"name": "fedavg", "local_steps": 1, "batch_size": 4, name: value}, tiny_linear()
     algorithm = group.split(":", 1)[1]
-    base, make_model = ALGORITHM_BASES.get(algorithm, ({}, _linear))
+    base, make_model = ALGORITHM_BASES.get(algorithm, ({}, tiny_linear))
     spec = {"name": algorithm, **base, **row.base, name: value}
     if "local_steps" in inspect.signature(load_algorithm(algorithm).__init__).parameters:
         spec.setdefault("local_steps", 1)
@@ -364,7 +359,7 @@ def _set_up(group: str, name: str, value: Any) -> None:
         module.configure_optimizers()
         return
     if group == "module":
-        kwargs = {"model": _linear(), **MODULE_BASE, **row.base, name: value}
+        kwargs = {"model": tiny_linear(), **MODULE_BASE, **row.base, name: value}
         if name == "model" and value is None:
             kwargs["model"] = None
     else:

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.privacy import DPSpec, adapt_clip, clip_rows, gaussian_noise, noise_multipliers
 from lightning_fedmeta.sampling import generator_for
-from tests.helpers import make_trainer, tiny_data, tiny_datamodule
+from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_module
 
 opacus_accountants = pytest.importorskip("opacus.accountants")
 
@@ -29,11 +29,10 @@ SEED, COHORT, CLIENTS = 4, 3, 6  # tiny data: 6 clients of 5 to 14 samples, 3 sa
 
 
 def _module(dp: dict[str, Any] | None, init_seed: int = 0, **kwargs: Any) -> FederatedModule:
-    torch.manual_seed(init_seed)
     options: dict[str, Any] = {"clients_per_round": COHORT, "seed": SEED, "aggregation": "uniform",
                                "compile_clients": False}
     options.update(kwargs)
-    return FederatedModule(model=nn.Linear(5, 3), algorithm=FEDAVG, dp=dp, **options)
+    return tiny_module(FEDAVG, init_seed=init_seed, dp=dp, **options)
 
 
 def _params(module: FederatedModule) -> dict[str, torch.Tensor]:
