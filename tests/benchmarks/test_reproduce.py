@@ -116,6 +116,7 @@ def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None
 
 
 @pytest.mark.skipif(not HAS_FASHION_MNIST, reason="Fashion-MNIST files not installed (dataset-fashion-mnist)")
+@pytest.mark.spawns
 def test_one_tiny_cell_end_to_end_and_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     res, rep, runs = tmp_path / "res", tmp_path / "rep", tmp_path / "runs"
     argv = ["--rounds", "2", "--seeds", "1", "--cells", "tau4_alpha0.01", "--methods", "fedavg_ft", "--jobs", "1",

@@ -314,6 +314,7 @@ KILLED_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.spawns
 def test_kill_9_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     """A process killed with SIGKILL halfway through writing a checkpoint over an earlier one: the file is still
     the earlier, complete and verified checkpoint, and the next save removes the killed writer's temporary file."""

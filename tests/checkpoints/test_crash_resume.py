@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.name == "nt", reason="SIGKILL is POSIX")
+pytestmark = [pytest.mark.skipif(os.name == "nt", reason="SIGKILL is POSIX"), pytest.mark.spawns]
 
 ROUNDS = 6
 KILL_IN_ROUND = 4  # the process sleeps before round 4 (global_step 3: the checkpoint of round 3 is written)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed.multinode_worker import ROUNDS, run
@@ -50,6 +51,7 @@ def _assert_same(sharded: dict, single: dict) -> None:
             assert torch.equal(sharded[group][k], v), f"{group}/{k}"
 
 
+@pytest.mark.spawns
 def test_two_nodes_with_the_disk_store_equal_the_single_process_run_and_resume(tmp_path: Path) -> None:
     out = tmp_path / "nodes"
     out.mkdir()

@@ -44,6 +44,7 @@ def test_bf16_mixed_precision_runs_on_cpu_with_finite_loss_and_logged_accuracy()
     torch.testing.assert_close(module.model.weight, reference.model.weight, atol=0.05, rtol=0)
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("variant", ["plain", "unreliable", "private"])
 def test_ddp_on_two_cpu_processes_equals_the_single_process_run(tmp_path: Path, variant: str) -> None:
     """Also with dropouts, stragglers, Byzantine clients and a robust rule, and with DP (docs/reliability.md):
@@ -65,6 +66,7 @@ def test_ddp_on_two_cpu_processes_equals_the_single_process_run(tmp_path: Path, 
             torch.testing.assert_close(ddp[group][k], v, atol=1e-6, rtol=0, msg=f"{group}/{k}")
 
 
+@pytest.mark.spawns
 def test_ddp_fit_from_the_command_line_with_default_plots_writes_the_table_and_the_history(tmp_path: Path) -> None:
     """``fedmeta fit --config configs/quickstart.yaml --trainer.strategy ddp --trainer.devices 2
     --trainer.accelerator cpu`` with the CLI's defaults (plots on): the end-of-fit outputs are written

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -32,6 +33,7 @@ def _run(compile_clients: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.model.named_parameters()}, correct
 
 
+@pytest.mark.spawns  # inductor runs the C++ compiler
 def test_compiled_client_step_matches_the_eager_batched_path() -> None:
     eager_params, eager_correct = _run(False)
     compiled_params, compiled_correct = _run(True)

@@ -67,6 +67,7 @@ def test_compiled_primitives_give_the_eager_rounds_and_evaluation(spec: dict[str
     assert stats.programs >= 1 and stats.compiled_calls > 0 and not stats.failures
 
 
+@pytest.mark.spawns  # inductor runs the C++ compiler
 def test_inductor_compiles_one_program_per_primitive_and_reuses_it_for_every_step() -> None:
     """Per-FedAvg HF: one program for the meta step, called τ times per round, for every round."""
     module = _module(ALGORITHMS[4], True, backend="inductor")

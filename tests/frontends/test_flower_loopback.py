@@ -38,7 +38,7 @@ from lightning_fedmeta.flower.client import data_spec_of  # noqa: E402
 from lightning_fedmeta.state import flatten_state  # noqa: E402
 from tests.helpers import make_trainer  # noqa: E402
 
-pytestmark = pytest.mark.flower_loopback
+pytestmark = [pytest.mark.flower_loopback, pytest.mark.spawns]
 
 ROUNDS = 3
 DEADLINE_S = 600.0  # the whole deployment, from the SuperLink's start (323–393 s measured on 2 busy cores)

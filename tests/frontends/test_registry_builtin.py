@@ -26,6 +26,7 @@ print(json.dumps({"new": new, "rows": rows, "not_loaded": not_loaded}))
 """
 
 
+@pytest.mark.spawns
 def test_builtins_are_listed_with_their_distribution_without_importing_them() -> None:
     proc = subprocess.run([sys.executable, "-c", _LIST_WITHOUT_IMPORT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

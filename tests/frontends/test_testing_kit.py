@@ -187,6 +187,7 @@ def test_each_check_is_callable_alone_and_skip_is_validated() -> None:
         check_algorithm("fedavg", skip=["check_speed"])
 
 
+@pytest.mark.spawns
 def test_the_kit_imports_without_pytest() -> None:
     code = "import sys; sys.modules['pytest'] = None; import lightning_fedmeta.testing as t; print(len(t.CHECKS))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
