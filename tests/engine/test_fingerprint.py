@@ -199,15 +199,17 @@ def test_run_fingerprint_is_unchanged(case: tuple[str, dict[str, Any], dict[str,
     if not WRITE and stored.get("torch") != torch.__version__:
         pytest.skip(f"fingerprints were taken with torch {stored.get('torch')}, this is {torch.__version__}: "
                     "kernels differ between releases")
-    threads = torch.get_num_threads()
+    threads, lightning_log = torch.get_num_threads(), logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
     torch.set_num_threads(1)  # one intra-op thread: reductions in one fixed order
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+            lightning_log.setLevel(logging.WARNING)
             got = _fingerprint(dict(spec), dict(options), kind, tmp_path)
     finally:
         torch.set_num_threads(threads)
+        lightning_log.setLevel(level)  # other tests read Lightning's info lines
     if WRITE:
         stored = _stored()
         stored.update({"torch": torch.__version__, "machine": platform.machine(),

@@ -317,7 +317,8 @@ def test_restarted_server_resumes_from_its_checkpoint(tmp_path: Path) -> None:
 
 
 def client_tensors(partition_id: int, num_partitions: int) -> tuple[torch.Tensor, ...]:
-    """A user hook (node config ``client-data = "test_flower:client_tensors"``): this node's own tensors."""
+    """A user hook (node config ``client-data = "tests.frontends.test_flower:client_tensors"``): this node's own
+    tensors."""
     g = torch.Generator().manual_seed(partition_id)
     x, y = torch.randn(9 + partition_id, 60, generator=g), torch.randint(0, 10, (9 + partition_id,), generator=g)
     return x[:7], y[:7], x[7:], y[7:]
@@ -325,9 +326,9 @@ def client_tensors(partition_id: int, num_partitions: int) -> tuple[torch.Tensor
 
 def test_user_hook_supplies_the_node_data(tmp_path: Path) -> None:
     cfg = load_config(write_config(tmp_path, ALGORITHMS["fedavg"]))
-    data = load_partition(cfg, 2, NUM_CLIENTS, "test_flower:client_tensors")
+    data = load_partition(cfg, 2, NUM_CLIENTS, "tests.frontends.test_flower:client_tensors")
     x, y, tx, ty = client_tensors(2, NUM_CLIENTS)
     assert data.num_clients == 1 and torch.equal(data.train_x, x) and torch.equal(data.test_y, ty)
     assert data.num_classes == 10  # from model.model.init_args.num_classes
-    with pytest.raises(ValueError, match="client-data = 'test_flower:nothing'"):
-        load_partition(cfg, 2, NUM_CLIENTS, "test_flower:nothing")
+    with pytest.raises(ValueError, match="client-data = 'tests.frontends.test_flower:nothing'"):
+        load_partition(cfg, 2, NUM_CLIENTS, "tests.frontends.test_flower:nothing")
