@@ -1,6 +1,6 @@
 """Accuracy reproduction: run configs through the ``fedmeta`` CLI and tabulate personalised accuracy.
 
-    python benchmarks/accuracy.py CFG [CFG ...] [--rounds 200] [--out FILE] [--threads N]
+    python -m benchmarks.accuracy CFG [CFG ...] [--rounds 200] [--out FILE] [--threads N]
                                   [--force] [--quiet-machine]
 
 Each config runs as ``fedmeta fit --config CFG --trainer.max_steps R`` in its own process (the
@@ -35,19 +35,17 @@ tables) is kept. A file without those markers is replaced.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import hashlib
 import inspect
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from benchmarks.harness import append_record, read_records, run_fit
 
 __all__ = ["grad_evals_per_round", "config_grad_evals", "run_config", "main"]
 
@@ -155,28 +153,8 @@ def _load() -> float:
 
 
 def run_config(config: Path, rounds: int, root: Path, threads: int | None = None) -> dict[str, Any]:
-    """Run one config through the CLI; return its final personalised metrics, work and timing."""
-    out_dir = root / config.stem
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a stale history from an earlier run must never be read
-    out_dir.mkdir(parents=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_fedmeta.cli",
-        "fit",
-        "--config",
-        str(config),
-        "--trainer.max_steps",
-        str(rounds),
-        "--trainer.default_root_dir",
-        str(out_dir),
-        "--trainer.enable_progress_bar",
-        "false",
-    ]
-    env = dict(os.environ)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    """Run one config through the CLI (in ``root/<config stem>``); return its final personalised metrics, work
+    and timing."""
     name, evals = config_grad_evals(config)
     record: dict[str, Any] = {
         "config": config.as_posix(),
@@ -188,22 +166,14 @@ def run_config(config: Path, rounds: int, root: Path, threads: int | None = None
         "grad_evals_per_client_round": evals,
         "load_before": _load(),
     }
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
+    run = run_fit(config, root / config.stem, ["--trainer.max_steps", str(rounds)], threads=threads)
     record["load_after"] = _load()
-    record["finished_at"] = _dt.datetime.now().isoformat(timespec="seconds")
-    (out_dir / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        record["error"] = lines[-1] if lines else f"exit status {proc.returncode}"
+    record["finished_at"] = run.finished_at
+    if run.error is not None:
+        record["error"] = run.error
         return record
-    histories = sorted(out_dir.glob("**/fedmeta_history.json"), key=lambda p: p.stat().st_mtime)
-    if not histories:
-        record["error"] = "no fedmeta_history.json written"
-        return record
-    history = json.loads(histories[-1].read_text())
-    vals = [r for r in history["history"] if r.get("stage") == "val"]
+    assert run.history is not None
+    vals = [r for r in run.history["history"] if r.get("stage") == "val"]
     if not vals:
         record["error"] = "no validation in the history"
         return record
@@ -214,24 +184,10 @@ def run_config(config: Path, rounds: int, root: Path, threads: int | None = None
         acc_weighted=metrics.get("val/acc_weighted"),
         acc_mean=metrics.get("val/acc_mean"),
         acc_worst10=metrics.get("val/acc_worst10"),
-        s_per_round=seconds / rounds,
-        wall_s=seconds,
+        s_per_round=run.wall_s / rounds,
+        wall_s=run.wall_s,
     )
     return record
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines results file (lines cut by an interrupted write are skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by an interrupted write
-    return out
 
 
 def _cached(results: list[dict[str, Any]], config: Path, rounds: int, threads: int | None) -> dict[str, Any] | None:
@@ -340,11 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"[accuracy] {cfg}: running {args.rounds} rounds", flush=True)
             row = run_config(cfg, args.rounds, args.root, args.threads)
-            with results_path.open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_record(results_path, row)
             print(json.dumps(row), flush=True)
         rows.append(row)
-    command = "python benchmarks/accuracy.py " + " ".join(c.as_posix() for c in args.configs)
+    command = "python -m benchmarks.accuracy " + " ".join(c.as_posix() for c in args.configs)
     command += f" --rounds {args.rounds}"
     if args.threads is not None:
         command += f" --threads {args.threads}"

@@ -14,20 +14,19 @@ Each run is one ``fedmeta``-free Trainer fit; its final-round numbers are append
 ``runs/batchnorm/results.jsonl`` as it finishes (a re-run skips finished (variant, seed) pairs), and
 the table is written to ``benchmarks/results/batchnorm.md``::
 
-    python benchmarks/batchnorm.py --rounds 100 --seeds 0 1 2
+    python -m benchmarks.batchnorm --rounds 100 --seeds 0 1 2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-import lightning as L
 import torch
 from torch import nn
 
+from benchmarks.harness import append_record, quiet_trainer, read_records
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data import FederatedDataModule
 
@@ -58,8 +57,7 @@ def run(variant: str, seed: int, rounds: int) -> dict[str, float | str | int]:
     )
     data = FederatedDataModule("fashion_mnist", partition="perfedavg_paper", num_clients=50, eval_every=rounds,
                                data_seed=seed)
-    trainer = L.Trainer(max_steps=rounds, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu")
+    trainer = quiet_trainer(rounds)
     start = time.perf_counter()
     trainer.fit(module, data)
     summary = module.last_summary["clients"]
@@ -92,8 +90,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batchnorm.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    args.store.parent.mkdir(parents=True, exist_ok=True)
-    done = [json.loads(line) for line in args.store.read_text().splitlines()] if args.store.exists() else []
+    done = read_records(args.store)
     total = len(VARIANTS) * len(args.seeds)
     for seed in args.seeds:
         for variant in VARIANTS:
@@ -102,14 +99,13 @@ def main() -> None:
             print(f"[{len(done) + 1}/{total}] {variant}, seed {seed}, {args.rounds} rounds", flush=True)
             result = run(variant, seed, args.rounds)
             done.append(result)
-            with args.store.open("a") as fh:
-                fh.write(json.dumps(result) + "\n")
+            append_record(args.store, result)
             print(f"    acc {result['acc_weighted']:.4f}, worst 10% {result['acc_worst10']:.4f}, "
                   f"{result['seconds']} s", flush=True)
     results = [r for r in done if r["rounds"] == args.rounds and r["seed"] in args.seeds]
     args.out.write_text(
         "# BatchNorm: per-client running statistics\n\n"
-        f"`python benchmarks/batchnorm.py --rounds {args.rounds} --seeds {' '.join(map(str, args.seeds))}`: "
+        f"`python -m benchmarks.batchnorm --rounds {args.rounds} --seeds {' '.join(map(str, args.seeds))}`: "
         "MLP 784-80-60-10 ELU with BatchNorm1d after each hidden layer, FedAvg + 1 fine-tune step, Fashion-MNIST "
         "Per-FedAvg paper split (50 clients, 10 per round, τ = 10, batch 40, lr 0.01), final-round personalised "
         "test accuracy (mean ± std over seeds; a seed changes the split, the initialisation and the sampling).\n\n"

@@ -1,6 +1,6 @@
 """Accuracy against privacy: client-level DP-FedAvg (``FederatedModule(dp=...)``) on Fashion-MNIST.
 
-    python benchmarks/privacy.py [--threads 1] [--rounds 200] [--clients 1000] [--cohort 20] [--clip 0.3]
+    python -m benchmarks.privacy [--threads 1] [--rounds 200] [--clients 1000] [--cohort 20] [--clip 0.3]
                                  [--sigmas 0 0.3 0.5 0.7 1 1.5 2 3] [--seeds 0 1]
                                  [--algorithms fedavg_ft perfedavg_fo] [--adaptive-clip]
                                  [--root runs/privacy] [--out benchmarks/results/privacy] [--force] [--report-only]
@@ -24,7 +24,7 @@ std over seeds; σ = 0 as a dashed line), and the figure is copied to ``docs/ima
 
 Run it in the background on a shared machine, one thread per run::
 
-    nohup python benchmarks/privacy.py --threads 1 > runs/privacy.log 2>&1 &
+    nohup python -m benchmarks.privacy --threads 1 > runs/privacy.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ import csv
 import hashlib
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import append_record, limit_threads, quiet_trainer, records_by_key
 
 __all__ = ["ALGORITHMS", "algorithm_spec", "run_one", "main"]
 
@@ -86,7 +87,6 @@ def run_one(
 ) -> dict[str, Any]:
     """One training run; its final personalised accuracy, ε and clipping statistics. ``sigma=None``: the
     untrained model (its initial weights, evaluated after the same fine-tune step; nothing released, ε = 0)."""
-    import lightning as L
     import torch
 
     from lightning_fedmeta import FederatedModule
@@ -101,11 +101,7 @@ def run_one(
         aggregation="uniform", server_lr=settings["server_lr"], seed=seed, dp=dp,
         compile_clients=False,  # eager: every run the same code path, no compile time in a run's seconds
     )
-    trainer = L.Trainer(
-        max_steps=settings["rounds"], max_epochs=-1, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        log_every_n_steps=1,
-    )
+    trainer = quiet_trainer(settings["rounds"], log_every_n_steps=1)
     started = time.perf_counter()
     if sigma is None:
         trainer.validate(module, datamodule, verbose=False)
@@ -124,16 +120,6 @@ def run_one(
         "rounds_trained": int(trainer.global_step), "final_clip": float(module.dp_clip),
         "clipped_fraction_last": metrics.get("dp/clipped_fraction", math.nan), "seconds": seconds,
     }
-
-
-def _read_results(path: Path) -> dict[str, dict[str, Any]]:
-    records: dict[str, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                records[record["key"]] = record
-    return records
 
 
 def _clipped(records: list[dict[str, Any]], algorithm: str, sigma: float) -> str:
@@ -308,12 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="run everything again")
     parser.add_argument("--report-only", action="store_true", help="write the report from the stored results")
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    limit_threads(args.threads)
     import logging
     import warnings
 
@@ -323,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = _settings(args)
     args.root.mkdir(parents=True, exist_ok=True)
     results_path = args.root / "results.jsonl"
-    stored = {} if args.force else _read_results(results_path)
+    stored = {} if args.force else records_by_key(results_path)
     sigmas: list[float | None] = [*([] if args.no_untrained else [None]), *args.sigmas]
     plan = [(a, s, seed) for a in args.algorithms for s in sigmas for seed in args.seeds]
     todo = [p for p in plan if _key(*p, settings) not in stored]
@@ -343,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_one(datamodule, algorithm, sigma, seed, settings)
             record = {"key": _key(algorithm, sigma, seed, settings), "algorithm": algorithm, "sigma": sigma,
                       "seed": seed, "settings": settings, **result}
-            with open(results_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            append_record(results_path, record)
             stored[record["key"]] = record
             times.setdefault((algorithm, sigma is not None), []).append(result["seconds"])
             trained = [t for (_, kind), ts in times.items() if kind for t in ts]
@@ -360,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[privacy] no results to report", flush=True)
         return 1
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
-    command = "python benchmarks/privacy.py " + " ".join(given)
+    command = "python -m benchmarks.privacy " + " ".join(given)
     write_report(records, settings, command.strip(), args.out)
     print(f"[privacy] wrote {args.out.with_suffix('.md')}, .csv, .png", flush=True)
     return 0

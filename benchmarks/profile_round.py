@@ -12,8 +12,8 @@ finiteness checks + aggregate + SGD server step + state scatter, no Trainer):
 3. ``cProfile``: the top Python functions by internal time (interpreter overhead of the
    functional stack: functorch wrappers, ``functional_call``, pytree helpers).
 
-    python benchmarks/profile_round.py --algorithm "Per-FedAvg HF" --batching vmap --rounds 5
-    python benchmarks/profile_round.py --algorithm FedAvg --batching loop --threads 1
+    python -m benchmarks.profile_round --algorithm "Per-FedAvg HF" --batching vmap --rounds 5
+    python -m benchmarks.profile_round --algorithm FedAvg --batching loop --threads 1
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import speed  # noqa: E402
-from speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_round  # noqa: E402
-
-import lightning_fedmeta.functional as functional_lib  # noqa: E402
-import lightning_fedmeta.module as module_lib  # noqa: E402
-from lightning_fedmeta.functional import Params  # noqa: E402
+import lightning_fedmeta.functional as functional_lib
+import lightning_fedmeta.loop.engine as engine_lib
+import lightning_fedmeta.loop.gather as gather_lib
+from benchmarks import speed
+from benchmarks.speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_round
+from lightning_fedmeta.functional import Params
 
 __all__ = ["SectionTimer", "profile_sections", "PROPOSALS", "compare_proposals", "main"]
 
@@ -82,11 +79,11 @@ def profile_sections(
     ``run_clients`` in ``lightning_fedmeta.module``'s namespace; everything is restored after.
     """
     timer = SectionTimer()
-    original_run, original_draw = module_lib.run_clients, module_lib.draw_batch_indices
-    module_lib.draw_batch_indices = timer.wrap("draw_batch_indices (Python loop, argsort)", original_draw)
+    original_run, original_draw = engine_lib.run_clients, gather_lib.draw_batch_indices
+    gather_lib.draw_batch_indices = timer.wrap("draw_batch_indices (Python loop, argsort)", original_draw)
     module._batches = timer.wrap("mini-batch index gather (train_x[idx])", module._batches)
     module.client_states.gather = timer.wrap("client-state gather", module.client_states.gather)
-    module_lib.run_clients = timer.wrap("client computation (run_clients)", original_run)
+    engine_lib.run_clients = timer.wrap("client computation (run_clients)", original_run)
     times = []
     try:
         for r in range(start, start + rounds):
@@ -94,7 +91,7 @@ def profile_sections(
             run_round(module, opt, r)
             times.append(speed.CLOCK() - t0)
     finally:
-        module_lib.run_clients, module_lib.draw_batch_indices = original_run, original_draw
+        engine_lib.run_clients, gather_lib.draw_batch_indices = original_run, original_draw
         del module._batches
         del module.client_states.gather
     total = sum(times)

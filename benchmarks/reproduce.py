@@ -1,9 +1,9 @@
 """Reproduce the Per-FedAvg paper's experiment grid as one resumable benchmark (issue 14).
 
-    python benchmarks/reproduce.py [--jobs 2] [--threads 1] [--rounds 1000] [--seeds 0 1 2]
-                                   [--methods M ...] [--cells tau10_alpha0.001 ...]
-                                   [--dataset fashion_mnist | --dataset mnist --root DIR]
-                                   [--results DIR] [--runs DIR] [--report-only] [--write-configs]
+    python -m benchmarks.reproduce [--jobs 2] [--threads 1] [--rounds 1000] [--seeds 0 1 2]
+                                    [--methods M ...] [--cells tau10_alpha0.001 ...]
+                                    [--dataset fashion_mnist | --dataset mnist --root DIR]
+                                    [--results DIR] [--runs DIR] [--report-only] [--write-configs]
 
 The grid (Fallah, Mokhtari, Ozdaglar, "Personalized Federated Learning with Theoretical Guarantees:
 A Model-Agnostic Meta-Learning Approach", NeurIPS 2020, §6): τ ∈ {4, 10} local steps × α ∈ {0.001,
@@ -50,21 +50,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import csv
-import datetime as _dt
-import hashlib
-import json
 import math
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accuracy import grad_evals_per_round, read_records  # noqa: E402
+from benchmarks import equal_work as ew
+from benchmarks.accuracy import grad_evals_per_round
+from benchmarks.harness import REPO, append_record, fit_record, fmt_duration, mean_std, pct, read_records, sha256_text
+from benchmarks.paper import BATCH, CLIENTS_PER_ROUND, HOLDOUT, NUM_CLIENTS, ROUNDS, SEEDS
 
 __all__ = [
     "ALPHAS",
@@ -85,19 +82,12 @@ __all__ = [
     "write_report",
 ]
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path("configs/paper")
 TAUS: tuple[int, ...] = (4, 10)
 ALPHAS: tuple[float, ...] = (0.001, 0.01)
 BETA = 0.001
 DELTA = 0.001
-BATCH = 40
-NUM_CLIENTS = 50
-CLIENTS_PER_ROUND = 10
-HOLDOUT = 5
-ROUNDS = 1000
 EVAL_EVERY = 10
-SEEDS: tuple[int, ...] = (0, 1, 2)
 
 #: method -> (label, algorithm block without the rates and τ)
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -213,19 +203,6 @@ def write_configs(root: Path = REPO) -> list[Path]:
 
 
 # -- running ---------------------------------------------------------------------------------------
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _key(rec: dict[str, Any]) -> tuple[Any, ...]:
     return (rec.get("config"), rec.get("config_sha256"), rec.get("seed"), rec.get("rounds"),
             rec.get("dataset"), rec.get("root"))
@@ -238,93 +215,26 @@ def run_one(run: Run, rounds: int, runs_dir: Path, dataset: str, root: str | Non
     cfg = config_path(method, tau, alpha)
     text = (REPO / cfg).read_text()
     if text != render_config(method, tau, alpha):
-        raise ValueError(f"{cfg} differs from render_config(); run `python benchmarks/reproduce.py --write-configs`")
+        raise ValueError(f"{cfg} differs from render_config(); run `python -m benchmarks.reproduce --write-configs`")
     group = dataset + ("" if rounds == ROUNDS else f"_{rounds}rounds")
     out_dir = runs_dir.resolve() / group / f"{method}_{cell_name(tau, alpha)}" / f"seed{seed}"
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a stale history from an interrupted run must never be read
-    out_dir.mkdir(parents=True)
-    cmd = [
-        sys.executable, "-m", "lightning_fedmeta.cli", "fit", "--config", cfg.as_posix(),
-        "--seed_everything", str(seed), "--data.data_seed", str(seed), "--model.seed", str(seed),
-        "--trainer.max_steps", str(rounds), "--trainer.default_root_dir", str(out_dir),
-        "--trainer.enable_progress_bar", "false",
-    ]
+    overrides = ["--seed_everything", str(seed), "--data.data_seed", str(seed), "--model.seed", str(seed),
+                 "--trainer.max_steps", str(rounds)]
     if dataset != "fashion_mnist":
-        cmd += ["--data.dataset", dataset]
+        overrides += ["--data.dataset", dataset]
     if root is not None:
-        cmd += ["--data.root", root]
-    env = dict(os.environ)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+        overrides += ["--data.root", root]
     algo = _algorithm_block(method, tau, alpha)
     rec: dict[str, Any] = {
         "method": method, "tau": tau, "alpha": alpha, "seed": seed, "rounds": rounds, "dataset": dataset,
-        "root": root, "config": cfg.as_posix(), "config_sha256": _sha256(text), "threads": threads,
-        "command": "fedmeta " + " ".join(cmd[3:]), "git_commit": _git_commit(),
+        "root": root, "config": cfg.as_posix(), "config_sha256": sha256_text(text),
         "grad_evals_per_client_round": grad_evals_per_round(algo["name"], {k: v for k, v in algo.items()
                                                                           if k != "name"}),
     }
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    rec["wall_s"] = time.perf_counter() - start
-    rec["finished_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    (out_dir / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        rec["error"] = lines[-1] if lines else f"exit status {proc.returncode}"
-        return rec
-    histories = sorted(out_dir.glob("**/fedmeta_history.json"), key=lambda p: p.stat().st_mtime)
-    if not histories:
-        rec["error"] = "no fedmeta_history.json written"
-        return rec
-    rec.update(_from_history(json.loads(histories[-1].read_text()), rounds))
-    return rec
-
-
-def _from_history(doc: dict[str, Any], rounds: int) -> dict[str, Any]:
-    """The record's metrics, read from a ``fedmeta_history.json`` document."""
-    vals = [h for h in doc["history"] if h.get("stage") == "val"]
-    if not vals:
-        return {"error": "no validation in the history"}
-    last = vals[-1]
-    if int(last["round"]) != rounds:
-        return {"error": f"last evaluation at round {last['round']}, not the final round {rounds}"}
-    m = last["metrics"]
-    best = max(vals, key=lambda h: h["metrics"].get("val/acc_weighted", -math.inf))
-    per_client = (doc.get("per_client") or {}).get("acc")
-    return {
-        "eval_round": int(last["round"]),
-        "acc_weighted": m.get("val/acc_weighted"),
-        "acc_mean": m.get("val/acc_mean"),
-        "acc_worst10": m.get("val/acc_worst10"),
-        "new_acc_weighted": m.get("val/new/acc_weighted"),
-        "new_acc_worst10": m.get("val/new/acc_worst10"),
-        "best_round": int(best["round"]),
-        "best_acc_weighted": best["metrics"].get("val/acc_weighted"),
-        "per_client_acc": per_client,
-        "is_new_client": doc.get("is_new_client"),
-        "per_client_round": doc.get("per_client_round"),
-        "curve": [
-            [int(h["round"]), h["metrics"].get("val/acc_weighted"), h["metrics"].get("val/acc_worst10"),
-             h["metrics"].get("val/new/acc_weighted")]
-            for h in vals
-        ],
-    }
-
-
-def _fmt_s(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+    return rec | fit_record(cfg.as_posix(), out_dir, rounds, overrides, threads=threads, cwd=REPO)
 
 
 # -- report ----------------------------------------------------------------------------------------
-def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
-
-
 def summarise(records: list[dict[str, Any]], rounds: int, seeds: list[int], dataset: str,
               root: str | None = None) -> list[dict[str, Any]]:
     """One row per (method, τ, α) of the grid: mean and sample std over the finished seeds.
@@ -339,7 +249,7 @@ def summarise(records: list[dict[str, Any]], rounds: int, seeds: list[int], data
         if r.get("root") != root:
             continue
         cfg = config_path(r["method"], r["tau"], r["alpha"])
-        if r["method"] not in METHODS or r.get("config_sha256") != _sha256(render_config(r["method"], r["tau"],
+        if r["method"] not in METHODS or r.get("config_sha256") != sha256_text(render_config(r["method"], r["tau"],
                                                                                           r["alpha"])):
             continue
         latest[(r["method"], r["tau"], r["alpha"], r["seed"])] = r | {"config": cfg.as_posix()}
@@ -349,7 +259,7 @@ def summarise(records: list[dict[str, Any]], rounds: int, seeds: list[int], data
         row: dict[str, Any] = {"method": m, "label": METHODS[m][0], "tau": t, "alpha": a,
                                "seeds_done": len(runs), "seeds_asked": len(seeds)}
         for key in ("acc_weighted", "acc_worst10", "new_acc_weighted", "best_acc_weighted", "wall_s"):
-            mean, std = _mean_std([r[key] for r in runs if isinstance(r.get(key), (int, float))])
+            mean, std = mean_std([r[key] for r in runs if isinstance(r.get(key), (int, float))])
             row[f"{key}_mean"], row[f"{key}_std"] = mean, std
         row["best_rounds"] = [r["best_round"] for r in runs]
         algo = _algorithm_block(m, t, a)
@@ -364,12 +274,10 @@ def summarise(records: list[dict[str, Any]], rounds: int, seeds: list[int], data
 def tuned_rows(seeds: list[int], rounds: int, dataset: str) -> list[dict[str, Any]]:
     """The grid's second baseline, FedAvg at a validation-tuned local rate + 1 fine-tune step at α, one row per
     cell in :func:`summarise`'s format, read from ``benchmarks/equal_work.py``'s records of ``dataset`` (which
-    tune and run it for 1000 rounds: ``python benchmarks/equal_work.py --dataset D``; no rows for another
+    tune and run it for 1000 rounds: ``python -m benchmarks.equal_work --dataset D``; no rows for another
     length)."""
     if rounds != ROUNDS:
         return []
-    import equal_work as ew  # a sibling script (this directory is on sys.path); it imports this module
-
     entries = [e for e in ew.ENTRIES.values() if e.cell is not None]
     sweep = read_records(REPO / ew.RESULTS / f"sweep_{dataset}.jsonl")
     final = read_records(REPO / ew.RESULTS / f"final_{dataset}.jsonl")
@@ -390,12 +298,6 @@ def _pp(v: float | None) -> str:
     return "n/a" if v is None else f"{100 * v:.2f}%"
 
 
-def _pct(mean: float | None, std: float | None, signed: bool = False) -> str:
-    if mean is None:
-        return "missing"
-    return f"{100 * mean:{'+' if signed else ''}.2f}" + (f" ± {100 * std:.2f}" if std is not None else " (1 seed)")
-
-
 def paired_differences(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per cell and Per-FedAvg variant: its final weighted accuracy minus FedAvg + fine-tune's, seed by seed.
 
@@ -414,7 +316,7 @@ def paired_differences(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 mine = {r["seed"]: r["acc_weighted"] for r in (by.get((m, t, a)) or {}).get("runs", [])}
                 seeds = sorted(set(base) & set(mine))
                 diffs = [mine[s] - base[s] for s in seeds]
-                mean, std = _mean_std(diffs)
+                mean, std = mean_std(diffs)
                 out.append({"method": m, "tau": t, "alpha": a, "seeds": seeds, "diff_mean": mean, "diff_std": std})
     return out
 
@@ -431,7 +333,7 @@ def _paired_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for d in paired_differences(rows):
         lines.append(f"| {METHODS[d['method']][0]} | {d['tau']} | {d['alpha']:g} | {len(d['seeds'])} "
-                     f"| {_pct(d['diff_mean'], d['diff_std'], signed=True)} |")
+                     f"| {pct(d['diff_mean'], d['diff_std'], signed=True)} |")
     return lines
 
 
@@ -486,7 +388,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path, datas
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        best = _pct(r["best_acc_weighted_mean"], r["best_acc_weighted_std"])
+        best = pct(r["best_acc_weighted_mean"], r["best_acc_weighted_std"])
         if r["best_rounds"]:
             best += f" @ {', '.join(map(str, r['best_rounds']))}"
         wall = "missing" if r["wall_s_mean"] is None else f"{r['wall_s_mean']:.0f}"
@@ -494,9 +396,9 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path, png_dir: Path, datas
         label = r["label"] + (f" (local rate {r['tuned_rate']:g})" if r.get("tuned_rate") is not None else "")
         lines.append(
             f"| {label} | {r['tau']} | {r['alpha']:g} | {r['seeds_done']}/{r['seeds_asked']} "
-            f"| {_pct(r['acc_weighted_mean'], r['acc_weighted_std'])} "
-            f"| {_pct(r['acc_worst10_mean'], r['acc_worst10_std'])} "
-            f"| {_pct(r['new_acc_weighted_mean'], r['new_acc_weighted_std'])} | {best} "
+            f"| {pct(r['acc_weighted_mean'], r['acc_weighted_std'])} "
+            f"| {pct(r['acc_worst10_mean'], r['acc_worst10_std'])} "
+            f"| {pct(r['new_acc_weighted_mean'], r['new_acc_weighted_std'])} | {best} "
             f"| {r['grad_evals_per_client_round']} | {wall} | {pub} |"
         )
     lines += [
@@ -644,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     root = None if args.root is None else str(Path(args.root).resolve())
     results_path = args.results / f"runs_{args.dataset}{_suffix(args.dataset, args.rounds)}.jsonl"
     args.results.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/reproduce.py"
+    command = "python -m benchmarks.reproduce"
     if args.rounds != ROUNDS:
         command += f" --rounds {args.rounds}"
     if args.dataset != "fashion_mnist":
@@ -664,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not (REPO / config_path(m, t, a)).exists():
                     parser.error(f"{config_path(m, t, a)} is missing; run with --write-configs first")
                 text = (REPO / config_path(m, t, a)).read_text()
-                key = (config_path(m, t, a).as_posix(), _sha256(text), s, args.rounds, args.dataset, root)
+                key = (config_path(m, t, a).as_posix(), sha256_text(text), s, args.rounds, args.dataset, root)
                 if key not in done:
                     todo.append((m, t, a, s))
         n_all = len(cells) * len(args.seeds)
@@ -682,8 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - record and go on with the grid
                     rec = {"method": m, "tau": t, "alpha": a, "seed": s, "rounds": args.rounds,
                            "dataset": args.dataset, "root": root, "error": f"{type(e).__name__}: {e}"}
-                with results_path.open("a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
+                append_record(results_path, rec)
                 failed += "error" in rec
                 elapsed = time.perf_counter() - start
                 if "wall_s" in rec:
@@ -694,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                           else f"acc {_pp(rec.get('acc_weighted'))} new {_pp(rec.get('new_acc_weighted'))}"
                           f" in {rec['wall_s']:.0f}s")
                 print(f"[reproduce] run {i} of {len(todo)}: {m} {cell_name(t, a)} seed {s}: {status}; "
-                      f"elapsed {_fmt_s(elapsed)}, est. remaining "
-                      f"{'?' if math.isnan(eta) else _fmt_s(eta)}", flush=True)
+                      f"elapsed {fmt_duration(elapsed)}, est. remaining "
+                      f"{'?' if math.isnan(eta) else fmt_duration(eta)}", flush=True)
                 if left:
                     report()  # the report follows the grid as it fills
     md, csv_path = report()

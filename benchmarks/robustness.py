@@ -1,6 +1,6 @@
 """Byzantine robustness benchmark (ByzFL-style): worst-case accuracy over attacks, per aggregation rule and f.
 
-    python benchmarks/robustness.py [--rounds 100] [--seeds 0 1 2] [--threads 1] [--root runs/robustness]
+    python -m benchmarks.robustness [--rounds 100] [--seeds 0 1 2] [--threads 1] [--root runs/robustness]
                                     [--out-dir benchmarks/results] [--force]
 
 Setting (the ByzFL benchmark's protocol, Allouah et al., on this library's synthetic benchmark):
@@ -35,10 +35,8 @@ import argparse
 import contextlib
 import csv
 import io
-import json
 import logging
 import math
-import os
 import sys
 import time
 import warnings
@@ -46,6 +44,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import append_record, limit_threads, quiet_trainer, read_records
 
 __all__ = ["Run", "plan", "run_one", "summarise", "main"]
 
@@ -134,9 +134,6 @@ def run_one(run: Run) -> dict[str, Any]:
     from lightning_fedmeta import FederatedModule
     from lightning_fedmeta.data import FederatedDataModule
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import make_trainer  # the suite's quiet CPU Trainer
-
     torch.manual_seed(run.seed)  # the default model's initialisation
     data = FederatedDataModule(
         dataset="synthetic", num_clients=NUM_CLIENTS, synthetic_alpha=SETTINGS["synthetic_alpha"],
@@ -149,7 +146,7 @@ def run_one(run: Run) -> dict[str, Any]:
         server_lr=SETTINGS["server_lr"], seed=run.seed, compile_clients=False,
         aggregator=aggregator_option(run.rule, 0 if clean_f else run.f), byzantine=byzantine,
     )
-    trainer = make_trainer(run.rounds)
+    trainer = quiet_trainer(run.rounds)
     record: dict[str, Any] = {**asdict(run), "key": run.key}
     start = time.perf_counter()
     try:
@@ -167,18 +164,6 @@ def run_one(run: Run) -> dict[str, Any]:
     if run.attack != "none":
         assert sorted(record["byzantine_clients"]) == (~honest_mask(run.seed, run.f)).nonzero().flatten().tolist()
     return record
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by an interrupted write
-    return out
 
 
 def _honest_acc(record: dict[str, Any], f: int) -> float:
@@ -340,12 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--force", action="store_true", help="re-run the runs already in <root>/results.jsonl")
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    limit_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
 
@@ -353,15 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     store = args.root / "results.jsonl"
     if args.force and store.exists():
         store.unlink()
-    done = {r["key"]: r for r in _read(store)}
+    done = {r["key"]: r for r in read_records(store)}
     runs = plan(args.rounds, args.seeds)
     todo = [r for r in runs if r.key not in done]
     print(f"{len(runs)} runs, {len(runs) - len(todo)} already in {store}, {len(todo)} to run", flush=True)
     start = time.perf_counter()
     for i, run in enumerate(todo, 1):
         record = run_one(run)
-        with store.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        append_record(store, record)
         done[run.key] = record
         elapsed = time.perf_counter() - start
         eta = elapsed / i * (len(todo) - i)
@@ -370,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
               f"elapsed {elapsed / 60:.1f} min  ETA {eta / 60:.1f} min", flush=True)
     minutes = sum(r.get("seconds", 0.0) for r in done.values() if r["key"] in {x.key for x in runs}) / 60
     rows = summarise(list(done.values()), args.rounds, args.seeds)
-    command = "python benchmarks/robustness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.robustness " + " ".join(argv if argv is not None else sys.argv[1:])
     write_outputs(rows, args.out_dir, command.strip(), args.rounds, args.seeds, minutes)
     print(f"wrote {args.out_dir / 'robustness.md'}, robustness.csv, robustness.png", flush=True)
     return 0

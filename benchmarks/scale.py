@@ -26,9 +26,9 @@ memory``): at K = 10^5 that is 27 GB, so those runs are skipped when they would 
 memory. ``--store disk`` passes ``client_state="disk"`` (``model.client_state: disk``, rows on disk, only the
 round's in memory) with ``--state-dir`` (default: a fresh temporary folder per run, removed after it).
 
-    python benchmarks/scale.py --quick                 # K = 300, 1000; a few rounds: a smoke run (< 2 min)
-    python benchmarks/scale.py                         # the full grid, memory store
-    python benchmarks/scale.py --store disk            # the full grid with the disk-backed store
+    python -m benchmarks.scale --quick                 # K = 300, 1000; a few rounds: a smoke run (< 2 min)
+    python -m benchmarks.scale                         # the full grid, memory store
+    python -m benchmarks.scale --store disk            # the full grid with the disk-backed store
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import REPO, append_record, records_by_key
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN = (196, 272)  # 60-196-272-10: 68,270 parameters, as W's 784-80-60-10
@@ -74,8 +76,8 @@ def _vm_hwm_mb() -> float | None:
 
 def _module(algorithm: str, data: Any, per_round: int, store: str, state_dir: str | None) -> tuple[Any, Any]:
     import torch
-    from speed import build_algorithm  # W's shared settings: τ = 10, B = 40, one adaptation step
 
+    from benchmarks.speed import build_algorithm  # W's shared settings: τ = 10, B = 40, one adaptation step
     from lightning_fedmeta import FederatedModule
     from lightning_fedmeta.models import MLP
 
@@ -99,8 +101,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import statistics
 
     import torch
-    from speed import run_round
 
+    from benchmarks.speed import run_round
     from lightning_fedmeta.data.synthetic_scale import make_synthetic_scale
 
     torch.set_num_threads(spec["threads"])
@@ -190,13 +192,12 @@ def skip_reason(spec: dict[str, Any]) -> str | None:
 
 
 def run_child(spec: dict[str, Any], state_dir: str | None, timeout: float) -> dict[str, Any]:
-    """Run :func:`child` in a subprocess; its peak RSS from ``os.wait4`` (this child's alone)."""
-    payload = json.dumps({**spec, "state_dir": state_dir})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    """Run :func:`child` in a subprocess (``python -m benchmarks.scale --child`` in the repository root); its peak
+    RSS from ``os.wait4`` (this child's alone)."""
+    payload = json.dumps({**spec, "state_dir": None if state_dir is None else os.path.abspath(state_dir)})
     with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", payload],
-                                stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scale", "--child", payload], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=errors, text=True)
         started = time.perf_counter()
         killer = threading.Timer(timeout, proc.kill)
         killer.start()
@@ -219,16 +220,6 @@ def run_child(spec: dict[str, Any], state_dir: str | None, timeout: float) -> di
     result["peak_rss_mb"] = kb * 1024 / 1e6
     result["wall_s"] = wall
     return result
-
-
-def read_results(path: Path) -> dict[str, dict[str, Any]]:
-    done: dict[str, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["key"]] = record
-    return done
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,10 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_quick" if args.quick else ""
     out = args.out or RESULTS / f"scale{suffix}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {} if args.fresh else read_results(out)
+    done = {} if args.fresh else records_by_key(out)
     machine = f"{platform.node() or 'host'}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, " \
               f"{_memory_mb() / 1e3:.0f} GB RAM, Python {platform.python_version()}"
-    command = " ".join(["python benchmarks/scale.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m benchmarks.scale", *(argv if argv is not None else sys.argv[1:])])
     for spec in grid(args):
         key = _key(spec)
         if key in done:
@@ -446,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"skipped": reason} if reason else run_child(spec, args.state_dir, args.timeout)
         record = {"key": key, "spec": spec, "result": result, "machine": machine, "command": command,
                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        with out.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        append_record(out, record)
         done[key] = record
         print(json.dumps({k: spec[k] for k in spec if k != "threads"}), "->",
               json.dumps({k: v for k, v in result.items() if k != "ms_rounds"}), flush=True)

@@ -212,21 +212,8 @@ def make_module(
 
 
 def run_round(module: FederatedModule, opt: torch.optim.Optimizer, round_idx: int) -> None:
-    """One training round as ``FederatedModule.training_step`` runs it, without the Trainer's logging."""
-    sampled, out, weights = module.compute_round(round_idx)
-    module._check_finite(round_idx, sampled, out)
-    params = module._global_params()
-    delta, new_server_state = module.algorithm.aggregate(
-        params, out, weights, module.server_state, module.records(sampled)
-    )
-    if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
-        raise FloatingPointError(f"round {round_idx}: the aggregated update is not finite")
-    opt.zero_grad()
-    assert module.model is not None
-    for name, p in module.model.named_parameters():
-        p.grad = (-delta[name]).to(p.dtype)
-    opt.step()
-    module.commit_round(sampled, out, new_server_state)
+    """One training round as ``FederatedModule.training_step`` runs it (the round engine), without the Trainer."""
+    module.engine.run_round(round_idx, opt)
 
 
 #: the clock of every timing: wall time (``time.perf_counter``) by default; ``--clock cpu`` switches to

@@ -47,10 +47,10 @@ over repeats, with the machine's load average (``os.getloadavg()``) sampled arou
     rounds, and the bare round is their mean (the Lightning rounds are summed: warm-up, tails and all).
     Wall and CPU (``time.process_time``) figures are both given.
 
-    python benchmarks/startup.py                # -> benchmarks/results/startup.md (about 1.5 minutes)
-    python benchmarks/startup.py --quick        # fewer repeats and rounds (about 50 s) -> startup_quick.md
-    python benchmarks/startup.py --threads 0    # torch's default threads (default 1: a shared 2-core machine)
-    python benchmarks/startup.py --fit-args '--model.compile_clients false'   # extra fedmeta flags
+    python -m benchmarks.startup                # -> benchmarks/results/startup.md (about 1.5 minutes)
+    python -m benchmarks.startup --quick        # fewer repeats and rounds (about 50 s) -> startup_quick.md
+    python -m benchmarks.startup --threads 0    # torch's default threads (default 1: a shared 2-core machine)
+    python -m benchmarks.startup --fit-args '--model.compile_clients false'   # extra fedmeta flags
 
 The tables go between ``<!-- BEGIN startup.py -->`` and ``<!-- END startup.py -->`` of the output file;
 text outside the markers (notes, figures from before a change) is kept. Every finished child appends
@@ -200,8 +200,7 @@ def _bare_round_fn() -> Callable[[Any, int], None]:
     """``speed.run_round`` with a plain ``SGD(lr=server_lr)`` per module: the round without the Trainer."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from speed import run_round
+    from benchmarks.speed import run_round
 
     optimizers: dict[int, Any] = {}
 
@@ -385,24 +384,12 @@ def _fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def _load_records() -> list[dict[str, Any]]:
-    if not RECORDS.is_file():
-        return []
-    out = []
-    for line in RECORDS.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by an interrupted write
-    return out
-
-
 def _run_child(kind: str, payload: dict[str, Any], threads: int | None) -> dict[str, Any]:
     """Run one child measurement in a fresh interpreter and return its record (with load averages)."""
     env = dict(os.environ)
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--payload", json.dumps(payload)]
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", kind, "--payload", json.dumps(payload)]
     load_before = os.getloadavg()
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -419,14 +406,14 @@ def _run_child(kind: str, payload: dict[str, Any], threads: int | None) -> dict[
 def _measure(kind: str, payload: dict[str, Any], repeats: int, threads: int | None, resume: bool,
              fingerprint: str) -> list[dict[str, Any]]:
     """``repeats`` records of one measurement: matching stored ones first (``--resume``), then new children."""
+    from benchmarks.harness import append_record, read_records  # parent side only: children time their imports
+
     key = {"kind": kind, "payload": payload, "threads": threads, "fingerprint": fingerprint}
-    found = [r["record"] for r in _load_records() if r.get("key") == key] if resume else []
-    RECORDS.parent.mkdir(parents=True, exist_ok=True)
+    found = [r["record"] for r in read_records(RECORDS) if r.get("key") == key] if resume else []
     while len(found) < repeats:
         print(f"  {kind} {len(found) + 1}/{repeats} ...", file=sys.stderr, flush=True)
         record = _run_child(kind, payload, threads)
-        with RECORDS.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"key": key, "record": record}) + "\n")
+        append_record(RECORDS, {"key": key, "record": record})
         found.append(record)
     return found[:repeats]
 
@@ -597,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     w = measure("fit", {"args": w_args, "rounds": w_rounds})[0]
 
     loads = [x for r in [*startup, cheap, cheap_logged, w] for x in r["load"]]
-    command = "python benchmarks/startup.py" + (" --quick" if args.quick else "") + (
+    command = "python -m benchmarks.startup" + (" --quick" if args.quick else "") + (
         f" --threads {args.threads}" if args.threads != 1 else "") + (
         f" --fit-args {shlex.quote(args.fit_args)}" if args.fit_args else "")
     out = args.out or RESULTS / ("startup_quick.md" if args.quick else "startup.md")

@@ -34,7 +34,6 @@ import hashlib
 import inspect
 import os
 import re
-import secrets
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +46,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
+
+from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, atomic_write
 
 __all__ = [
     "CHANGEABLE_DATA_SETTINGS",
@@ -128,7 +129,6 @@ _COMPARED_ELSEWHERE = {
 
 _CHUNK_BYTES = 8 * 2**20  # tensors are hashed in chunks of this size (a tree hash, so chunks can run in parallel)
 _PARALLEL_BYTES = 32 * 2**20  # states at least this large are hashed by a thread pool
-PARTIAL_SUFFIX = ".partial"  # temporary files of AtomicCheckpointIO: .<name>.<pid>.<random>.partial
 
 
 class CheckpointDamagedError(ValueError):
@@ -417,41 +417,18 @@ def _remove_stale_partials(directory: str, name: str) -> None:
                     os.unlink(entry.path)
 
 
-def _fsync_directory(directory: str) -> None:
-    if os.name == "nt":  # directories cannot be opened for fsync there; the rename is durable with the file
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)`` that never leaves ``path`` incomplete.
 
     Writes ``.<name>.<pid>.<random>.partial`` in the same folder (so the rename cannot cross file systems),
     flushes and ``fsync``-s it, ``os.replace``-s it over ``path`` (atomic on POSIX and Windows) and
-    ``fsync``-s the folder so the rename itself survives a power loss. On any error the temporary file is
-    removed and ``path`` is untouched; temporary files of a killed writer are removed by the next save.
+    ``fsync``-s the folder so the rename itself survives a power loss
+    (:func:`lightning_fedmeta.atomic_io.atomic_write`). On any error the temporary file is removed and ``path`` is
+    untouched; temporary files of a killed writer are removed by the next save.
     """
     target = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(target)
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale_partials(directory, name)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            _serialize(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
+    _remove_stale_partials(*os.path.split(target))
+    atomic_write(target, lambda fh: _serialize(obj, fh))
 
 
 def _is_local(path: Any) -> bool:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, partial_file, publish, sync_file
 from lightning_fedmeta.checkpointing import CheckpointDamagedError, _pid_alive
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
@@ -79,16 +80,6 @@ def _dtype(name: str) -> torch.dtype:
 
 def _row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-
-
-def _fsync_directory(directory: str) -> None:
-    if os.name == "nt":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256_file(path: str) -> str:
@@ -137,7 +128,7 @@ def _remove_stale_work(directory: str) -> None:
     segments = os.path.join(directory, "segments")
     for entry in os.scandir(segments) if os.path.isdir(segments) else ():
         parts = entry.name.split("-")
-        if entry.name.endswith(".partial") and len(parts) == 3 and parts[0] in (".seg", ".copy") and dead(parts[1]):
+        if entry.name.endswith(PARTIAL_SUFFIX) and len(parts) == 3 and parts[0] in (".seg", ".copy") and dead(parts[1]):
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
 
@@ -223,9 +214,8 @@ def write_segment(directory: str, tag: int, clients: Tensor, rows: Callable[[str
     prefix = _MAGIC + struct.pack("<Q", len(head)) + head
     prefix += b"\0" * (-len(prefix) % _ALIGN)
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".seg-{os.getpid()}-{secrets.token_hex(4)}.partial")
     digest = hashlib.sha256()
-    try:
+    with partial_file(directory, ".seg", sep="-") as tmp:
         with open(tmp, "wb") as fh:
             def put(data: bytes | memoryview) -> None:
                 fh.write(data)
@@ -242,16 +232,10 @@ def write_segment(directory: str, tag: int, clients: Tensor, rows: Callable[[str
                     if values.numel():
                         put(memoryview(values.view(-1).view(torch.uint8).numpy()))
                 put(b"\0" * (-(n * _row_bytes(shape, dtype)) % _ALIGN))
-            fh.flush()
-            os.fsync(fh.fileno())
+            sync_file(fh)
         sha = digest.hexdigest()
         name = f"seg-{tag:09d}-{sha[:16]}.fseg"
-        os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
+        publish(tmp, os.path.join(directory, name))
     return {"file": name, "sha256": sha, "rows": n}
 
 
@@ -297,20 +281,14 @@ def _copy_segment(path: str, directory: str) -> None:
     target = os.path.join(directory, os.path.basename(path))
     if os.path.exists(target):
         return
-    tmp = os.path.join(directory, f".copy-{os.getpid()}-{secrets.token_hex(4)}.partial")
-    try:
+    with partial_file(directory, ".copy", sep="-") as tmp:
         try:
             os.link(path, tmp)
         except OSError:
             shutil.copyfile(path, tmp)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
+        publish(tmp, target)
 
 
 # ----------------------------------------------------------------------------------------------

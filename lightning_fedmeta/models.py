@@ -54,7 +54,7 @@ class ELU(nn.ELU):
     """``nn.ELU`` that, when compiled, computes ``x`` if ``x > 0`` else ``α (exp(x) − 1)``.
 
     The same function as ``nn.ELU`` (Clevert, Unterthiner, Hochreiter 2016) to float32 rounding: within 5e-8 of the
-    float64 ELU, as PyTorch's own ``expm1`` form is within 3e-8 (``tests/test_model_families.py``). Inductor's
+    float64 ELU, as PyTorch's own ``expm1`` form is within 3e-8 (``tests/engine/test_model_families.py``). Inductor's
     ``expm1`` runs at about 5 ns per element on x86-64, its ``exp`` about 10× faster, so the compiled client steps of
     the Per-FedAvg MLP use the ``exp`` form. Eagerly it is exactly ``nn.ELU`` (PyTorch's fused kernel, and the same
     bits as before this class existed).

@@ -1,18 +1,17 @@
-"""The round's server side under unreliable, Byzantine and private clients (docs/reliability.md).
+"""The reliability options of a run, parsed and checked (docs/reliability.md).
 
-The loop (:mod:`lightning_fedmeta.module`) asks this module three questions each round: which sampled clients
-answer (:mod:`lightning_fedmeta.participation`), how many local steps each one takes, and how their uploads
-combine. The combination, for an algorithm whose upload is a parameter delta (its ``aggregate`` is the default
-``Σ_i p_i Δ_i``):
+Client dropout and over-selection (:mod:`lightning_fedmeta.participation`), per-client budgets of local steps,
+the server's aggregation rule (:mod:`lightning_fedmeta.robust`), simulated Byzantine clients
+(:mod:`lightning_fedmeta.attacks`) and client-level differential privacy (:mod:`lightning_fedmeta.privacy`).
+The round engine uses them: :class:`~lightning_fedmeta.loop.federation.Federation` decides who answers and how
+many steps each takes; :meth:`~lightning_fedmeta.loop.server.ServerPipeline.from_reliability` turns them into
+the server's stages:
 
     Δ_i   ← attack(Δ_i)                    Byzantine clients' uploads replaced  (model.byzantine, model poisoning)
     Δ_i   ← Δ_i · min(1, C / ‖Δ_i‖)        client-level DP clipping             (model.dp; C adaptive or fixed)
     Δ     = rule({Δ_i}, p)                 mean (the algorithm's own aggregate), median, trimmed mean, Krum,
                                            Multi-Krum, Bulyan, geometric median, FedNova  (model.aggregator)
     Δ     ← Δ + (σ_Δ C / m) ξ,  ξ ~ N(0, I)   DP noise on the sum, m = clients sampled per round
-
-With DP the weights are ``1/m`` for every answering client (a fixed denominator, McMahan et al. 2018), so a
-client's influence on ``Δ`` is at most ``C/m``. Every random draw is a pure function of ``(seed, tag, round)``.
 
 Combinations that cannot mean what they say are refused at setup by :meth:`Reliability.check`.
 """
@@ -26,25 +25,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
-from lightning_fedmeta.attacks import ByzantineSpec, attack_rows, choose_byzantine_clients, parse_byzantine
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.algorithms.base import Algorithm
+from lightning_fedmeta.attacks import ByzantineSpec, choose_byzantine_clients, parse_byzantine
 from lightning_fedmeta.participation import (
     StepBudget,
     check_dropout,
     check_over_selection,
     parse_local_steps_dist,
 )
-from lightning_fedmeta.privacy import DPSpec, adapt_clip, clip_rows, gaussian_noise, noise_multipliers, parse_dp
+from lightning_fedmeta.privacy import DPSpec, noise_multipliers, parse_dp
 from lightning_fedmeta.robust import (
     AggregatorSpec,
-    aggregate_rows,
     check_aggregator,
-    flatten_rows,
     parse_aggregator,
-    unflatten_row,
 )
-from lightning_fedmeta.sampling import generator_for
 
 __all__ = ["Reliability", "uploads_delta"]
 
@@ -174,84 +168,3 @@ class Reliability:
         if self.byzantine is None:
             return torch.zeros(0, dtype=torch.long)
         return choose_byzantine_clients(seed, eligible, self.byzantine.fraction)
-
-    def combine(
-        self,
-        algorithm: Algorithm,
-        params: Params,
-        out: ClientOutput,
-        weights: Tensor,
-        server_state: dict[str, Tensor],
-        records: ClientRecord,
-        *,
-        seed: int,
-        round_idx: int,
-        byzantine: Tensor,
-        steps: Tensor,
-        cohort: int,
-        clip: float,
-    ) -> tuple[Any, dict[str, float]] | None:
-        """The round's aggregate ``((Δ, server_state), info)``; ``None`` when the rule cannot run on this round's
-        clients (too few answered for Krum or Bulyan): the round then leaves the model unchanged. The pair is
-        what ``algorithm.aggregate`` returned (unchecked: the loop validates it) whenever the algorithm's own
-        aggregate combines the uploads.
-
-        Args:
-            byzantine: bool ``[n]``, which of the round's clients are Byzantine.
-            steps: int ``[n]``, the local steps each client took (FedNova).
-            cohort: ``m``, the clients sampled per round (the DP denominator).
-            clip: the current DP clipping norm ``C`` (adaptive clipping changes it; see ``info["dp_clip"]``).
-        """
-        info: dict[str, float] = {}
-        if not self.transforms_uploads:
-            return algorithm.aggregate(params, out, weights, server_state, records), info
-        n = int(weights.numel())
-        f = self.assumed_byzantine(cohort)
-        if self.aggregator.needs_f:
-            try:
-                check_aggregator(self.aggregator, n, f)
-            except ValueError:
-                return None
-        rows = flatten_rows(out.delta)
-        if self.byzantine is not None and self.byzantine.poisons_model and bool(byzantine.any()):
-            generator = generator_for(seed, "attack", round_idx)
-            rows = attack_rows(self.byzantine, rows, byzantine.to(rows.device), generator)
-        if self.dp is not None:
-            rows, norms = clip_rows(rows, clip)
-            weights = torch.ones(n, dtype=weights.dtype, device=weights.device) / cohort
-        if self.aggregator.name == "mean" and self.aggregator.clip is None:
-            # the algorithm's own aggregate on the transformed uploads: bit for bit the plain run when nothing changed
-            result = algorithm.aggregate(
-                params, out._replace(delta=unflatten_row_tree(rows, out.delta)), weights, server_state, records
-            )
-            if self.dp is None:
-                return result, info
-            delta, new_server_state = result
-        else:
-            vector = aggregate_rows(self.aggregator, rows, weights, f=f, steps=steps.to(rows.device))
-            delta, new_server_state = unflatten_row(vector, out.delta), server_state
-        if self.dp is not None:
-            sigma, _ = noise_multipliers(self.dp, cohort)
-            if sigma > 0:
-                generator = generator_for(seed, "dp-noise", round_idx)
-                std = sigma * clip / cohort
-                delta = {k: v + gaussian_noise(v, std, generator) for k, v in delta.items()}
-            info["dp_clip"] = clip
-            if self.dp.adaptive is not None:
-                generator = generator_for(seed, "dp-clip", round_idx)
-                # b̄ counts the answering clients under C over the cohort m: a client that did not answer counts
-                # as above C (norm +inf), so it adds nothing to the count and the denominator stays m
-                missing = torch.full((cohort - n,), math.inf, dtype=norms.dtype, device=norms.device)
-                info["dp_next_clip"] = adapt_clip(clip, torch.cat([norms, missing]), cohort, self.dp, generator)
-            info["dp_clipped_fraction"] = float((norms > clip).to(torch.float64).mean())
-        return (delta, new_server_state), info
-
-
-def unflatten_row_tree(rows: Tensor, like: Params) -> Params:
-    """``[n, d]`` rows back to a tree of ``[n, ...]`` leaves shaped like ``like`` (the inverse of ``flatten_rows``)."""
-    out, start = {}, 0
-    for k, v in like.items():
-        size = v[0].numel() if v.shape[0] else int(math.prod(v.shape[1:]))
-        out[k] = rows[:, start:start + size].reshape(v.shape).to(v.dtype)
-        start += size
-    return out

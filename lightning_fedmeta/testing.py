@@ -60,8 +60,9 @@ from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
 from lightning_fedmeta.execution import choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.loop.server import apply_server_step
 from lightning_fedmeta.module import FederatedModule
-from lightning_fedmeta.registry import create_algorithm
+from lightning_fedmeta.registry import create_algorithm, load_algorithm
 from lightning_fedmeta.sampling import stable_seed
 from lightning_fedmeta.state import flatten_state, map_state
 from lightning_fedmeta.validation import (
@@ -327,8 +328,8 @@ def _algorithm_factory(spec: AlgorithmSpec) -> Callable[[], Algorithm]:
         return lambda: copy.deepcopy(spec)
     if isinstance(spec, type) and issubclass(spec, Algorithm):
         return spec
-    if isinstance(spec, str):
-        return lambda: create_algorithm(spec)
+    if isinstance(spec, str):  # the name alone: the defaults, or the class's example arguments
+        return lambda: create_algorithm(spec, **load_algorithm(spec).example_arguments())
     if isinstance(spec, Mapping):
         args = dict(spec)
         name = args.pop("name", None)
@@ -365,6 +366,9 @@ def _setup(
     else:
         federated = from_client_tensors(dataset.client_data(), dataset.num_classes,
                                         getattr(dataset, "client_names", None))
+    example = type(make_algorithm()).example_model(tuple(federated.input_shape), int(federated.num_classes or 1))
+    if model is None and example is not None:
+        model = example
     if model is None:
         if len(federated.input_shape) != 1:
             raise ValueError(f"pass a model for inputs of shape {federated.input_shape} (the default is an MLP)")
@@ -483,22 +487,21 @@ def _compare_trees(
             check.fail(f"{what}{key} {kind}: {_first_difference(x, y)} ({names[0]} vs {names[1]})")
 
 
-def _apply(module: FederatedModule, delta: Params) -> None:
-    """The default server step ``SGD(lr=server_lr)``: ``w ← w + server_lr · Δ``."""
+def _server_optimizer(module: FederatedModule) -> torch.optim.Optimizer:
+    """The default server optimizer ``SGD(lr=server_lr)`` (stateless: a fresh one each round is the same)."""
     assert module.model is not None
-    with torch.no_grad():
-        for name, p in module.model.named_parameters():
-            p.add_(delta[name].to(p.dtype), alpha=module.server_lr)
+    return torch.optim.SGD(module.model.parameters(), lr=module.server_lr)
 
 
 def _plain_round(module: FederatedModule, r: int) -> tuple[Tensor, ClientOutput, Params, dict[str, Tensor]]:
-    sampled, out, weights = module.compute_round(r)
-    result = module.algorithm.aggregate(module._global_params(), out, weights, module.server_state,
-                                        module.records(sampled))
-    delta, server_state = result
-    _apply(module, delta)
-    module.commit_round(sampled, out, server_state)
-    return sampled, out, delta, server_state
+    """Round ``r`` through the engine's phases (compute, combine, server step, commit), without a Trainer."""
+    result = module.engine.compute(r)
+    assert result is not None, f"round {r}: no client answered"
+    uploads = module.engine.combine(result)
+    assert uploads is not None and uploads.update is not None
+    apply_server_step(_server_optimizer(module), module.model, uploads.update.delta)
+    module.engine.commit(result, uploads.update.server_state)
+    return result.clients, result.output, uploads.update.delta, uploads.update.server_state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,65 +515,93 @@ def _check_round(setup: _Setup, rounds: int = 2) -> None:
         k = setup.data.num_clients
         validate_init_client_states(alg, module.client_states.tensors, k)
         validate_init_server_state(alg, module.server_state)
-        params = module._global_params()
-        # the fresh state of a client outside the federation (FederatedModule.personalize((x, y)))
-        outsider = ClientRecord(
-            index=torch.tensor([-1]), weight=torch.zeros(1, dtype=torch.float64), is_new=torch.tensor([True]),
-            seen=torch.tensor([False]), num_samples=torch.tensor([int(setup.data.train_counts[0])]),
-        )
-        fresh_tree = alg.init_client_states(params, outsider)
-        validate_init_client_states(alg, fresh_tree, 1)
-        fresh, stored = flatten_state(fresh_tree), flatten_state(module.client_states.tensors)
-        if set(fresh) != set(stored):
-            check.fail(f"init_client_states for one new client (index -1) gives keys {sorted(fresh)}, but for the "
-                       f"federation {sorted(stored)}")
-        for name, rows in stored.items():
-            # sizes may depend on the clients described (e.g. one dual variable per sample); kinds may not
-            if fresh[name].dim() != rows.dim() or fresh[name].dtype != rows.dtype:
-                check.fail(
-                    f"init_client_states for one new client (index -1) gives state[{name!r}] of shape "
-                    f"{list(fresh[name].shape[1:])} and {fresh[name].dtype} per client, but for the federation "
-                    f"{list(rows.shape[1:])} and {rows.dtype}"
-                )
+        _check_new_client_state(check, setup, module)
         assert module.seen is not None
         for r in range(rounds):
-            params = module._global_params()
-            before = (_clone(params), _clone(module.server_state), _clone(module.client_states.tensors))
-            seen_before = module.seen.clone()
-            sampled, out, weights = module.compute_round(r)
-            validate_client_output(alg, out, params, module.client_states.tensors, sampled.numel(),
-                                   strict_dtypes=True, check_finite=True)
-            for what, old, now in zip(("the global parameters", "the server state", "the client state store"),
-                                      before, (params, module.server_state, module.client_states.tensors),
-                                      strict=True):
-                _compare_trees(check, f"round {r}: client_update changed {what} in place: ", old, now, exact=True,
-                               names=("before", "after"))
-            ids = sampled.tolist()
-            if len(set(ids)) != len(ids) or len(ids) != module.num_sampled:
-                check.fail(f"round {r} sampled {ids}, expected {module.num_sampled} distinct clients")
-            if bool(module.is_holdout[sampled].any()):
-                check.fail(f"round {r} sampled a held-out client: {ids}")
-            result = alg.aggregate(params, out, weights, module.server_state, module.records(sampled))
-            validate_aggregate_output(alg, result, params, module.server_state, strict_dtypes=True,
-                                      check_finite=True)
-            delta, server_state = result
-            store_before = flatten_state(_clone(module.client_states.tensors))
-            _apply(module, delta)
-            module.commit_round(sampled, out, server_state)
-            # write-back: the sampled clients' rows are their new state, the other rows are untouched
-            returned = flatten_state(out.state)
-            for name, rows in flatten_state(module.client_states.tensors).items():
-                if not torch.equal(rows[sampled], returned[name].to(rows.dtype)):
-                    check.fail(f"round {r}: the stored rows of state[{name!r}] are not the state client_update "
-                               "returned")
-                others = torch.ones(k, dtype=torch.bool)
-                others[sampled] = False
-                if not torch.equal(rows[others], store_before[name][others]):
-                    check.fail(f"round {r}: state[{name!r}] of clients that were not sampled changed")
-            expected_seen = seen_before.clone()
-            expected_seen[sampled] = True
-            if not torch.equal(module.seen, expected_seen):
-                check.fail(f"round {r}: seen is {module.seen.tolist()}, expected {expected_seen.tolist()}")
+            _check_one_round(check, module, r, k)
+
+
+def _check_new_client_state(check: _Check, setup: _Setup, module: FederatedModule) -> None:
+    """The fresh state of a client outside the federation has the federation's keys, ranks and dtypes."""
+    alg = module.algorithm
+    params = module._global_params()
+    # the fresh state of a client outside the federation (FederatedModule.personalize((x, y)))
+    outsider = ClientRecord(
+        index=torch.tensor([-1]), weight=torch.zeros(1, dtype=torch.float64), is_new=torch.tensor([True]),
+        seen=torch.tensor([False]), num_samples=torch.tensor([int(setup.data.train_counts[0])]),
+    )
+    fresh_tree = alg.init_client_states(params, outsider)
+    validate_init_client_states(alg, fresh_tree, 1)
+    fresh, stored = flatten_state(fresh_tree), flatten_state(module.client_states.tensors)
+    if set(fresh) != set(stored):
+        check.fail(f"init_client_states for one new client (index -1) gives keys {sorted(fresh)}, but for the "
+                   f"federation {sorted(stored)}")
+    for name, rows in stored.items():
+        # sizes may depend on the clients described (e.g. one dual variable per sample); kinds may not
+        if fresh[name].dim() != rows.dim() or fresh[name].dtype != rows.dtype:
+            check.fail(
+                f"init_client_states for one new client (index -1) gives state[{name!r}] of shape "
+                f"{list(fresh[name].shape[1:])} and {fresh[name].dtype} per client, but for the federation "
+                f"{list(rows.shape[1:])} and {rows.dtype}"
+            )
+
+
+def _check_one_round(check: _Check, module: FederatedModule, r: int, k: int) -> None:
+    """Round ``r`` through the engine's phases, checking client_update, the sample, aggregate and the commit."""
+    alg = module.algorithm
+    assert module.seen is not None
+    params = module._global_params()
+    before = (_clone(params), _clone(module.server_state), _clone(module.client_states.tensors))
+    seen_before = module.seen.clone()
+    result = module.engine.compute(r)
+    assert result is not None
+    sampled, out, weights = result
+    validate_client_output(alg, out, params, module.client_states.tensors, sampled.numel(),
+                           strict_dtypes=True, check_finite=True)
+    for what, old, now in zip(("the global parameters", "the server state", "the client state store"),
+                              before, (params, module.server_state, module.client_states.tensors),
+                              strict=True):
+        _compare_trees(check, f"round {r}: client_update changed {what} in place: ", old, now, exact=True,
+                       names=("before", "after"))
+    _check_sample(check, module, sampled, r)
+    uploads = module.engine.combine(result)
+    assert uploads is not None and uploads.update is not None
+    delta, server_state = uploads.update.delta, uploads.update.server_state
+    validate_aggregate_output(alg, (delta, server_state), params, module.server_state, strict_dtypes=True,
+                              check_finite=True)
+    store_before = flatten_state(_clone(module.client_states.tensors))
+    apply_server_step(_server_optimizer(module), module.model, delta)
+    module.engine.commit(result, server_state)
+    _check_write_back(check, module, out, sampled, store_before, r, k)
+    expected_seen = seen_before.clone()
+    expected_seen[sampled] = True
+    if not torch.equal(module.seen, expected_seen):
+        check.fail(f"round {r}: seen is {module.seen.tolist()}, expected {expected_seen.tolist()}")
+
+
+def _check_sample(check: _Check, module: FederatedModule, sampled: Tensor, r: int) -> None:
+    """Round ``r`` sampled ``num_sampled`` distinct clients, none of them held out."""
+    ids = sampled.tolist()
+    if len(set(ids)) != len(ids) or len(ids) != module.num_sampled:
+        check.fail(f"round {r} sampled {ids}, expected {module.num_sampled} distinct clients")
+    if bool(module.is_holdout[sampled].any()):
+        check.fail(f"round {r} sampled a held-out client: {ids}")
+
+
+def _check_write_back(
+    check: _Check, module: FederatedModule, out: ClientOutput, sampled: Tensor, store_before: dict[str, Tensor],
+    r: int, k: int,
+) -> None:
+    """The sampled clients' stored rows are the state client_update returned; the other rows are untouched."""
+    returned = flatten_state(out.state)
+    for name, rows in flatten_state(module.client_states.tensors).items():
+        if not torch.equal(rows[sampled], returned[name].to(rows.dtype)):
+            check.fail(f"round {r}: the stored rows of state[{name!r}] are not the state client_update "
+                       "returned")
+        others = torch.ones(k, dtype=torch.bool)
+        others[sampled] = False
+        if not torch.equal(rows[others], store_before[name][others]):
+            check.fail(f"round {r}: state[{name!r}] of clients that were not sampled changed")
 
 
 def _check_loop_equals_vmap(setup: _Setup, rounds: int = 2) -> None:
@@ -658,54 +689,75 @@ def _check_personalize(setup: _Setup, rounds: int = 3, eval_every: int = 2, run:
         else:
             module, rounds = run.module, run.rounds
         assert module.data is not None and module.seen is not None
-        logged = module.last_per_client
-        module.train()  # as after Trainer.fit: personalize(i) must not depend on the module's mode
-        for i in range(module.data.num_clients):
-            group = "held-out" if bool(module.is_holdout[i]) else "training" if bool(module.seen[i]) else "unsampled"
-            accuracy, loss = _test_loss_and_accuracy(module, module.personalize(i), i)
-            if abs(accuracy - float(logged["acc"][i])) > 1e-6 or not math.isclose(
-                loss, float(logged["loss"][i]), rel_tol=max(setup.rtol, 1e-5), abs_tol=max(setup.atol, 1e-5)
-            ):
-                check.fail(
-                    f"{group} client {i}: the evaluation after round {rounds} logged accuracy "
-                    f"{float(logged['accuracy'][i]):.6f} and loss {float(logged['loss'][i]):.6f}, but "
-                    f"module.personalize({i}) scores {accuracy:.6f} and {loss:.6f} on its test data: personalize "
-                    "must give the model the evaluation scores (no hidden state, nothing that depends on how it is "
-                    "called)"
-                )
+        _check_personalize_scores(check, setup, module, rounds)
         never = (~module.seen).nonzero().flatten().tolist()
         if setup.holdout_clients and not never:
             check.fail("no client is left untrained (held-out clients must never train)")
-        before = {i: {k: v.detach().clone() for k, v in module.personalize(i).state_dict().items()} for i in never}
-        for i in never:  # a pure personalize gives the same model twice; only then can a change be blamed on state
-            again = module.personalize(i).state_dict()
+        before = _check_personalize_is_pure(check, module, never)
+        _check_untrained_ignore_state(check, module, never, before)
+
+
+def _check_personalize_scores(check: _Check, setup: _Setup, module: FederatedModule, rounds: int) -> None:
+    """``module.personalize(i)`` scores on client ``i``'s test data what the last evaluation logged for it."""
+    assert module.data is not None and module.seen is not None
+    logged = module.last_per_client
+    module.train()  # as after Trainer.fit: personalize(i) must not depend on the module's mode
+    for i in range(module.data.num_clients):
+        group = "held-out" if bool(module.is_holdout[i]) else "training" if bool(module.seen[i]) else "unsampled"
+        accuracy, loss = _test_loss_and_accuracy(module, module.personalize(i), i)
+        if abs(accuracy - float(logged["acc"][i])) > 1e-6 or not math.isclose(
+            loss, float(logged["loss"][i]), rel_tol=max(setup.rtol, 1e-5), abs_tol=max(setup.atol, 1e-5)
+        ):
+            check.fail(
+                f"{group} client {i}: the evaluation after round {rounds} logged accuracy "
+                f"{float(logged['accuracy'][i]):.6f} and loss {float(logged['loss'][i]):.6f}, but "
+                f"module.personalize({i}) scores {accuracy:.6f} and {loss:.6f} on its test data: personalize "
+                "must give the model the evaluation scores (no hidden state, nothing that depends on how it is "
+                "called)"
+            )
+
+
+def _check_personalize_is_pure(
+    check: _Check, module: FederatedModule, never: list[int]
+) -> dict[int, dict[str, Tensor]]:
+    """Each never-trained client's personalised model, the same when asked twice; returns their state dicts."""
+    before = {i: {k: v.detach().clone() for k, v in module.personalize(i).state_dict().items()} for i in never}
+    for i in never:  # a pure personalize gives the same model twice; only then can a change be blamed on state
+        again = module.personalize(i).state_dict()
+        for name, value in before[i].items():
+            if not torch.equal(again[name], value):
+                check.fail(
+                    f"module.personalize({i}) gave a different model ({name}) when called a second time: "
+                    "personalize must be a pure function of its arguments (no hidden Python state)"
+                )
+    return before
+
+
+def _check_untrained_ignore_state(
+    check: _Check, module: FederatedModule, never: list[int], before: dict[int, dict[str, Tensor]]
+) -> None:
+    """A never-trained client's personalised model does not change when its stored state is perturbed."""
+    saved = _clone(module.client_states.tensors)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for v in flatten_state(module.client_states.tensors).values():  # the stored leaves, changed in place
+            if v.is_floating_point() and never:
+                rows = torch.tensor(never, device=v.device)
+                noise = torch.randn(v[rows].shape, generator=g, dtype=v.dtype).to(v.device)
+                v[rows] = v[rows] + 3.0 + noise
+        for i in never:
+            after = module.personalize(i).state_dict()
             for name, value in before[i].items():
-                if not torch.equal(again[name], value):
+                if not torch.equal(after[name], value):
+                    group = "held-out" if bool(module.is_holdout[i]) else "unsampled"
                     check.fail(
-                        f"module.personalize({i}) gave a different model ({name}) when called a second time: "
-                        "personalize must be a pure function of its arguments (no hidden Python state)"
+                        f"{group} client {i} has never trained, yet its personalised model ({name}) changes with "
+                        "its stored state: a client that never trained must start from the global (cluster, "
+                        "mean) model, not read its initial state: pick with client.seen, e.g. "
+                        "torch.where(client.seen, personal, global)"
                     )
-        saved = _clone(module.client_states.tensors)
-        g = torch.Generator().manual_seed(0)
-        try:
-            for v in flatten_state(module.client_states.tensors).values():  # the stored leaves, changed in place
-                if v.is_floating_point() and never:
-                    rows = torch.tensor(never, device=v.device)
-                    noise = torch.randn(v[rows].shape, generator=g, dtype=v.dtype).to(v.device)
-                    v[rows] = v[rows] + 3.0 + noise
-            for i in never:
-                after = module.personalize(i).state_dict()
-                for name, value in before[i].items():
-                    if not torch.equal(after[name], value):
-                        group = "held-out" if bool(module.is_holdout[i]) else "unsampled"
-                        check.fail(
-                            f"{group} client {i} has never trained, yet its personalised model ({name}) changes with "
-                            "its stored state: a client that never trained must start from the global (cluster, "
-                            "mean) model, not read its initial state: pick with client.seen, e.g. "
-                            "torch.where(client.seen, personal, global)"
-                        )
-        finally:
-            module.client_states.tensors = saved
+    finally:
+        module.client_states.tensors = saved
 
 
 class _SaveAt(Callback):
@@ -875,7 +927,8 @@ def check_algorithm(
     Args:
         spec: a registered name (``"pfedme"``), a mapping ``{"name": ..., <hyper-parameters>}``, an
             :class:`~lightning_fedmeta.Algorithm` instance (deep-copied for every run) or subclass.
-        model: the network (deep-copied for every run), or a function building it. Default: :func:`tiny_mlp`.
+        model: the network (deep-copied for every run), or a function building it. Default: the algorithm's
+            :meth:`~lightning_fedmeta.Algorithm.example_model` if it declares one, else :func:`tiny_mlp`.
         data: a :class:`~lightning_fedmeta.FederatedDataset` or :class:`~lightning_fedmeta.FederatedData`.
             Default: :func:`tiny_clients` (8 clients of unequal sizes).
         clients_per_round: passed to :class:`~lightning_fedmeta.FederatedModule`.

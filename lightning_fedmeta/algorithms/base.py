@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
 from lightning_fedmeta.state import map_state
@@ -208,6 +208,20 @@ class Algorithm(ABC):
     #: common arguments (:data:`COMMON_ARGS`) this algorithm does not use, each mapped to the reason
     #: (e.g. ``{"local_lr": "the inner learning rate is alpha"}``)
     unused_args: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module | None:
+        """A model this algorithm is defined for, on inputs of ``input_shape`` and ``num_classes`` classes, for
+        :func:`~lightning_fedmeta.testing.check_algorithm` when no model is given; ``None`` (the default): any
+        model (the kit uses a small MLP). Override it when the algorithm needs a particular architecture (MOCHA:
+        a linear model)."""
+        return None
+
+    @classmethod
+    def example_arguments(cls) -> dict[str, Any]:
+        """Hyper-parameters for :func:`~lightning_fedmeta.testing.check_algorithm` when it is given the name alone:
+        ``{}`` (the defaults) unless the defaults cannot build the algorithm (``mtl_graph`` needs a graph)."""
+        return {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

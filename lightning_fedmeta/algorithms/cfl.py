@@ -175,12 +175,7 @@ class CFL(ClusteredAlgorithm):
         chosen = assign.argmax(1)
         for c in range(num_clusters):
             here = chosen == c
-            if not bool(here.any()) or rounds_done < self.warmup_rounds or num_clusters >= self.max_clusters:
-                continue
-            p = weights[here] / mass[c]
-            mean_norm = float((p.unsqueeze(1) * flat[here]).sum(0).norm())
-            max_norm = float(flat[here].norm(dim=1).max())
-            if not (mean_norm < self.eps1 and max_norm > self.eps2):
+            if not self._wants_split(here, weights, mass, c, flat, rounds_done, num_clusters):
                 continue
             pool = ((membership == c) & fresh).nonzero().flatten()
             if pool.numel() < self.min_split_size:
@@ -188,10 +183,7 @@ class CFL(ClusteredAlgorithm):
             second = complete_linkage_bipartition(pairwise_cosine_similarity(last_update[pool].double()))
             new_id = num_clusters
             membership[pool[second.to(pool.device)]] = new_id
-            for n in new_clusters:
-                new_clusters[n] = new_clusters[n].index_copy(
-                    0, torch.tensor([new_id], device=new_clusters[n].device), new_clusters[n][c : c + 1]
-                )
+            _copy_cluster(new_clusters, c, new_id)
             fresh[pool] = False
             num_clusters += 1
             if num_clusters >= self.max_clusters:
@@ -207,8 +199,27 @@ class CFL(ClusteredAlgorithm):
         )
         return tree_weighted_sum(outputs.delta, weights), new_state
 
+    def _wants_split(
+        self, here: Tensor, weights: Tensor, mass: Tensor, c: int, flat: Tensor, rounds_done: int, num_clusters: int
+    ) -> bool:
+        """Whether cluster ``c`` (its clients this round: ``here``) meets the split criterion (warm-up, ε₁, ε₂)."""
+        if not bool(here.any()) or rounds_done < self.warmup_rounds or num_clusters >= self.max_clusters:
+            return False
+        p = weights[here] / mass[c]
+        mean_norm = float((p.unsqueeze(1) * flat[here]).sum(0).norm())
+        max_norm = float(flat[here].norm(dim=1).max())
+        return mean_norm < self.eps1 and max_norm > self.eps2
+
     # -- evaluation ----------------------------------------------------------------------------
     def eval_cluster(self, losses: Tensor, server_state: dict[str, Tensor], client: ClientRecord) -> Tensor:
         """A training client's own cluster; a new client's the active cluster with the lowest loss."""
         active = torch.arange(self.max_clusters, device=losses.device) < server_state["num_clusters"]
         return torch.where(client.is_new, lowest_loss(losses, active), self._cluster_of(client, server_state))
+
+
+def _copy_cluster(clusters: Params, src: int, dst: int) -> None:
+    """Copy cluster slot ``src`` of every stacked tensor into slot ``dst`` (in place of the dict's entries)."""
+    for n in clusters:
+        clusters[n] = clusters[n].index_copy(
+            0, torch.tensor([dst], device=clusters[n].device), clusters[n][src : src + 1]
+        )

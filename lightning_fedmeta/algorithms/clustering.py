@@ -183,40 +183,57 @@ def kmeans_plus_plus(
     if not float(w.sum()) > 0:
         w = torch.ones(n, dtype=torch.float64)
 
-    def to_point(c: int) -> Tensor:  # ‖x_i − x_c‖² for all i
-        return (sq + sq[c] - 2 * gram[:, c]).clamp_min(0)
-
-    def to_centers(coef: Tensor) -> Tensor:  # [n, k]: ‖x_i − μ_j‖², μ_j = Σ_l coef[j, l] x_l
-        cross = coef @ gram  # [k, n]: ⟨μ_j, x_i⟩
-        return (sq.unsqueeze(1) - 2 * cross.t() + (cross * coef).sum(1).unsqueeze(0)).clamp_min(0)
-
     g = torch.Generator().manual_seed(seed)
     best_labels, best_inertia = torch.zeros(n, dtype=torch.long), float("inf")
     for _ in range(max(1, restarts)):
-        chosen = [int(torch.multinomial(w / w.sum(), 1, generator=g))]
-        d2 = to_point(chosen[0])
-        for _ in range(1, k):
-            mass = w * d2
-            prob = mass / mass.sum() if float(mass.sum()) > 0 else w / w.sum()
-            chosen.append(int(torch.multinomial(prob, 1, generator=g)))
-            d2 = torch.minimum(d2, to_point(chosen[-1]))
-        coef = torch.zeros(k, n, dtype=torch.float64)
-        coef[torch.arange(k), torch.tensor(chosen)] = 1.0
-        dist = to_centers(coef)
-        labels = dist.argmin(1)
-        for _ in range(max_iter):
-            member = (labels.unsqueeze(0) == torch.arange(k).unsqueeze(1)).to(torch.float64) * w  # [k, n]
-            size = member.sum(1, keepdim=True)
-            coef = torch.where(size > 0, member / size.clamp_min(torch.finfo(torch.float64).tiny), coef)
-            dist = to_centers(coef)
-            new = dist.argmin(1)
-            if torch.equal(new, labels):
-                break
-            labels = new
+        chosen = _kmeans_pp_seeds(gram, sq, w, k, g)
+        labels, dist = _lloyd(gram, sq, w, chosen, max_iter)
         inertia = float((w * dist.gather(1, labels.unsqueeze(1)).squeeze(1)).sum())
         if inertia < best_inertia:
             best_labels, best_inertia = labels, inertia
     return best_labels
+
+
+def _to_point(gram: Tensor, sq: Tensor, c: int) -> Tensor:
+    """``‖x_i − x_c‖²`` for all ``i``, from the Gram matrix and its diagonal ``sq``."""
+    return (sq + sq[c] - 2 * gram[:, c]).clamp_min(0)
+
+
+def _to_centers(gram: Tensor, sq: Tensor, coef: Tensor) -> Tensor:
+    """``[n, k]``: ``‖x_i − μ_j‖²`` for the centers ``μ_j = Σ_l coef[j, l] x_l``."""
+    cross = coef @ gram  # [k, n]: ⟨μ_j, x_i⟩
+    return (sq.unsqueeze(1) - 2 * cross.t() + (cross * coef).sum(1).unsqueeze(0)).clamp_min(0)
+
+
+def _kmeans_pp_seeds(gram: Tensor, sq: Tensor, w: Tensor, k: int, g: torch.Generator) -> list[int]:
+    """The ``k`` points k-means++ picks as centers, each drawn from ``g`` with probability ∝ ``w_i D(x_i)²``."""
+    chosen = [int(torch.multinomial(w / w.sum(), 1, generator=g))]
+    d2 = _to_point(gram, sq, chosen[0])
+    for _ in range(1, k):
+        mass = w * d2
+        prob = mass / mass.sum() if float(mass.sum()) > 0 else w / w.sum()
+        chosen.append(int(torch.multinomial(prob, 1, generator=g)))
+        d2 = torch.minimum(d2, _to_point(gram, sq, chosen[-1]))
+    return chosen
+
+
+def _lloyd(gram: Tensor, sq: Tensor, w: Tensor, chosen: list[int], max_iter: int) -> tuple[Tensor, Tensor]:
+    """Lloyd iterations from the points ``chosen`` as centers: the labels ``[n]`` and the distances ``[n, k]``."""
+    k, n = len(chosen), w.shape[0]
+    coef = torch.zeros(k, n, dtype=torch.float64)
+    coef[torch.arange(k), torch.tensor(chosen)] = 1.0
+    dist = _to_centers(gram, sq, coef)
+    labels = dist.argmin(1)
+    for _ in range(max_iter):
+        member = (labels.unsqueeze(0) == torch.arange(k).unsqueeze(1)).to(torch.float64) * w  # [k, n]
+        size = member.sum(1, keepdim=True)
+        coef = torch.where(size > 0, member / size.clamp_min(torch.finfo(torch.float64).tiny), coef)
+        dist = _to_centers(gram, sq, coef)
+        new = dist.argmin(1)
+        if torch.equal(new, labels):
+            break
+        labels = new
+    return labels, dist
 
 
 def cluster_means(current: Params, models: Params, assign: Tensor, weights: Tensor) -> tuple[Params, Tensor]:

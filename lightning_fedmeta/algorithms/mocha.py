@@ -63,10 +63,11 @@ set each round (``BatchPlan(1, 1, None)``, full batch, in sample order).
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Literal, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import (
     Algorithm,
@@ -90,6 +91,16 @@ def _hash31(x: Tensor) -> Tensor:
         x = (x * 1103515245 + 12345) % _MOD
         x = x ^ (x // 65536)
     return x
+
+
+class _SdcaPlan(NamedTuple):
+    """One client's SDCA steps: one-hot coordinates ``[H, B]``, their features, labels, curvature and activity."""
+
+    pick: Tensor
+    xs: Tensor
+    ys: Tensor
+    qs: Tensor
+    active: Tensor
 
 
 def _uniform_key(seed: int, round_idx: Tensor, client: Tensor, salt: int, j: Tensor) -> Tensor:
@@ -142,6 +153,14 @@ class Mocha(Algorithm):
     """
 
     name = "mocha"
+
+    @classmethod
+    def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        """MOCHA learns linear task models: logistic regression on the flattened inputs."""
+        from lightning_fedmeta.models import LogisticRegression
+
+        return LogisticRegression(math.prod(input_shape), num_classes)
+
     summary = "MOCHA: federated multi-task linear models by dual coordinate ascent (Smith et al., 2017)"
     server_optimizer_applies = False
     unused_args = {
@@ -334,49 +353,11 @@ class Mocha(Algorithm):
         classes = alpha.shape[1]
         ypm = 2.0 * (batch.y.unsqueeze(1) == torch.arange(classes, device=x.device)).to(x.dtype) - 1.0
         cid = client.index
-        k = server_state["M"].shape[0]
-        mine = one_hot(cid, k, x.dtype)
-        w = weighted_sum(mine, server_state["W"])  # [C, D]
-        m_tt = (server_state["M"].diagonal() * mine).sum()
-        scale = 0.5 * server_state["sigma_prime"] * m_tt
-
-        # duality-gap contribution of this task at the received iterate
-        z = x @ w.t()  # [B, C]
-        loss_terms, conj_terms = self._loss_terms(z, ypm, alpha)
-        v = alpha.t() @ x  # [C, D]
-        local_loss = (loss_terms.sum(1) * mask).sum()
-        gap = ((loss_terms + conj_terms).sum(1) * mask).sum() + (w * v).sum()
-
-        # local SDCA on the quadratic subproblem
-        width = x.shape[0]
-        pos = torch.arange(width, device=x.device)
+        w, scale = self._received_task(server_state, cid, x.dtype)
+        local_loss, gap = self._local_gap(x, ypm, alpha, mask, w)
         n = mask.sum().clamp_min(1.0)
-        r = server_state["round"]
-        keys = _uniform_key(self.seed, r, cid, 1, pos)
-        order = torch.argsort(keys + (1 - mask.to(torch.long)) * _MOD)  # real samples first
-        u = _uniform_key(self.seed, r, cid, 2, torch.zeros((), dtype=torch.long, device=x.device)).to(x.dtype) / _MOD
-        budget = torch.ceil(self.local_iters * (1.0 - self.budget_spread * u))
-        # the coordinate of every step, its features, labels and curvature, gathered at once
-        steps = torch.arange(self.local_iters, device=x.device)
-        slots = torch.remainder(steps.to(x.dtype), n)
-        coord = ((pos.unsqueeze(0) == slots.unsqueeze(1)).to(torch.long) * order.unsqueeze(0)).sum(1)  # [H]
-        pick = (pos.unsqueeze(0) == coord.unsqueeze(1)).to(x.dtype)  # [H, B] one-hot rows
-        xs, ys = pick @ x, pick @ ypm
-        qs = scale * (xs * xs).sum(1)
-        active = ((steps < budget) & ((pick @ mask) > 0)).to(x.dtype)
-        w_tilde = w  # w_t + (σ' M_tt / 2) X_tᵀΔα
-        for step in range(self.local_iters):
-            e, xi, yi, q = pick[step], xs[step], ys[step], qs[step]
-            ai = e @ alpha
-            zi = w_tilde @ xi
-            if self.loss == "hinge":
-                beta = ai * yi
-                da = yi * ((beta + (1.0 - yi * zi) / q.clamp_min(1e-12)).clamp(0.0, 1.0) - beta)
-            else:
-                da = (yi - zi - ai) / (1.0 + q)
-            da = da * active[step]
-            alpha = alpha + e.unsqueeze(1) * da.unsqueeze(0)
-            w_tilde = w_tilde + (scale * da).unsqueeze(1) * xi.unsqueeze(0)
+        plan = self._sdca_plan(x, ypm, mask, n, scale, server_state["round"], cid)
+        alpha = self._sdca_steps(alpha, w, scale, plan)
         delta = (alpha - state["alpha"]).t() @ x  # X_tᵀΔα
 
         return ClientOutput(
@@ -385,6 +366,60 @@ class Mocha(Algorithm):
             extras={"dv": delta, "gap": gap},
             metrics={"loss": local_loss / n / classes, "gap": gap},
         )
+
+    @staticmethod
+    def _received_task(server_state: dict[str, Tensor], cid: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Client ``cid``'s received task model ``w_t [C, D]`` and the SDCA scale ``σ' M_tt / 2`` (vmap-safe)."""
+        k = server_state["M"].shape[0]
+        mine = one_hot(cid, k, dtype)
+        w = weighted_sum(mine, server_state["W"])  # [C, D]
+        m_tt = (server_state["M"].diagonal() * mine).sum()
+        return w, 0.5 * server_state["sigma_prime"] * m_tt
+
+    def _local_gap(self, x: Tensor, ypm: Tensor, alpha: Tensor, mask: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """The task's summed local loss and its duality-gap contribution ``G_t`` at the received iterate."""
+        z = x @ w.t()  # [B, C]
+        loss_terms, conj_terms = self._loss_terms(z, ypm, alpha)
+        v = alpha.t() @ x  # [C, D]
+        local_loss = (loss_terms.sum(1) * mask).sum()
+        gap = ((loss_terms + conj_terms).sum(1) * mask).sum() + (w * v).sum()
+        return local_loss, gap
+
+    def _sdca_plan(
+        self, x: Tensor, ypm: Tensor, mask: Tensor, n: Tensor, scale: Tensor, r: Tensor, cid: Tensor
+    ) -> _SdcaPlan:
+        """The coordinate of every SDCA step, its features, labels and curvature, gathered at once (vmap-safe)."""
+        width = x.shape[0]
+        pos = torch.arange(width, device=x.device)
+        keys = _uniform_key(self.seed, r, cid, 1, pos)
+        order = torch.argsort(keys + (1 - mask.to(torch.long)) * _MOD)  # real samples first
+        u = _uniform_key(self.seed, r, cid, 2, torch.zeros((), dtype=torch.long, device=x.device)).to(x.dtype) / _MOD
+        budget = torch.ceil(self.local_iters * (1.0 - self.budget_spread * u))
+        steps = torch.arange(self.local_iters, device=x.device)
+        slots = torch.remainder(steps.to(x.dtype), n)
+        coord = ((pos.unsqueeze(0) == slots.unsqueeze(1)).to(torch.long) * order.unsqueeze(0)).sum(1)  # [H]
+        pick = (pos.unsqueeze(0) == coord.unsqueeze(1)).to(x.dtype)  # [H, B] one-hot rows
+        xs, ys = pick @ x, pick @ ypm
+        qs = scale * (xs * xs).sum(1)
+        active = ((steps < budget) & ((pick @ mask) > 0)).to(x.dtype)
+        return _SdcaPlan(pick, xs, ys, qs, active)
+
+    def _sdca_steps(self, alpha: Tensor, w: Tensor, scale: Tensor, plan: _SdcaPlan) -> Tensor:
+        """``alpha`` after the ``local_iters`` SDCA coordinate steps of ``plan`` (inactive steps change nothing)."""
+        w_tilde = w  # w_t + (σ' M_tt / 2) X_tᵀΔα
+        for step in range(self.local_iters):
+            e, xi, yi, q = plan.pick[step], plan.xs[step], plan.ys[step], plan.qs[step]
+            ai = e @ alpha
+            zi = w_tilde @ xi
+            if self.loss == "hinge":
+                beta = ai * yi
+                da = yi * ((beta + (1.0 - yi * zi) / q.clamp_min(1e-12)).clamp(0.0, 1.0) - beta)
+            else:
+                da = (yi - zi - ai) / (1.0 + q)
+            da = da * plan.active[step]
+            alpha = alpha + e.unsqueeze(1) * da.unsqueeze(0)
+            w_tilde = w_tilde + (scale * da).unsqueeze(1) * xi.unsqueeze(0)
+        return alpha
 
     # -- server --------------------------------------------------------------------------------
     def aggregate(

@@ -35,6 +35,7 @@ the training clients' label histograms (``knn``; the loop passes them to :meth:`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -112,6 +113,11 @@ class MTLGraph(SimilarityRegularizedMTL):
 
     name = "mtl_graph"
     summary = "Graph MTL: Σ p_k [F_k(w_k) + λ/2 Σ_j A_jk‖w_k − w_j‖²] over a client graph (edges or kNN of labels)"
+
+    @classmethod
+    def example_arguments(cls) -> dict[str, Any]:
+        """The graph must be given: the kit uses each client's 2 nearest neighbours by label histogram."""
+        return {"knn": 2}
 
     def __init__(
         self,

@@ -200,51 +200,15 @@ class FederatedDataModule(L.LightningDataModule):
         eval_clients: int | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(dataset, str):
-            if dataset not in DATASET_NAMES:
-                raise ValueError(f"unknown dataset {dataset!r}; choose one of {list(DATASET_NAMES)}")
-        elif not isinstance(dataset, FederatedDataset):
-            raise ValueError(
-                f"dataset must be one of {list(DATASET_NAMES)} or an object with `num_classes` and "
-                f"`client_data()`, got {type(dataset).__name__}"
-            )
-        if partition not in PARTITION_NAMES:
-            raise ValueError(f"unknown partition {partition!r}; choose one of {list(PARTITION_NAMES)}")
-        _check_int("num_clients", num_clients, 1)
-        if not dirichlet_alpha > 0:
-            raise ValueError(f"dirichlet_alpha must be > 0, got {dirichlet_alpha!r}")
-        max_classes = None
-        if isinstance(dataset, str) and dataset in IMAGE_DATASETS:
-            max_classes = _NUM_CLASSES[dataset]
-        _check_int("classes_per_client", classes_per_client, 1, max_classes)
-        _check_int("samples_per_class", samples_per_class, 2)
-        if max_samples_per_client is not None:
-            _check_int("max_samples_per_client", max_samples_per_client, 1)
+        _check_dataset(dataset)
+        _check_partition_options(
+            dataset, partition, num_clients, dirichlet_alpha, classes_per_client, samples_per_class,
+            max_samples_per_client,
+        )
         _check_int("data_seed", data_seed, 0)
-        if not 0 <= synthetic_alpha < float("inf") or not 0 <= synthetic_beta < float("inf"):
-            raise ValueError(
-                "synthetic_alpha and synthetic_beta must be >= 0, "
-                f"got {synthetic_alpha!r} and {synthetic_beta!r}"
-            )
-        _check_int("eval_every", eval_every, 1)
-        if isinstance(validation_fraction, bool) or not (
-            validation_fraction == 0 or 0 < validation_fraction < 1
-        ):
-            raise ValueError(
-                f"validation_fraction must be 0 (evaluate on the test sets) or in (0, 1), got {validation_fraction!r}"
-            )
-        if eval_clients is not None and (
-            isinstance(eval_clients, bool) or not isinstance(eval_clients, int) or eval_clients < 1
-        ):
-            raise ValueError(
-                f"data.eval_clients must be an integer >= 1 (clients scored at each validation) or null (every "
-                f"client), got {eval_clients!r}"
-            )
-        if isinstance(dataset, str) and dataset in ("mnist", "cifar10") and root is None:
-            raise ValueError(
-                f"dataset {dataset!r} needs a `root` folder, got root=None (with `download: true` "
-                "the files are fetched there)"
-            )
+        _check_synthetic_options(synthetic_alpha, synthetic_beta)
+        _check_evaluation_options(eval_every, validation_fraction, eval_clients)
+        _check_root(dataset, root)
 
         self.dataset = dataset
         self.root = root
@@ -382,6 +346,73 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
             return
     allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
     raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _check_dataset(dataset: str | FederatedDataset) -> None:
+    """Raise ``ValueError`` unless ``dataset`` is a known name or a :class:`FederatedDataset`."""
+    if isinstance(dataset, str):
+        if dataset not in DATASET_NAMES:
+            raise ValueError(f"unknown dataset {dataset!r}; choose one of {list(DATASET_NAMES)}")
+    elif not isinstance(dataset, FederatedDataset):
+        raise ValueError(
+            f"dataset must be one of {list(DATASET_NAMES)} or an object with `num_classes` and "
+            f"`client_data()`, got {type(dataset).__name__}"
+        )
+
+
+def _check_partition_options(
+    dataset: str | FederatedDataset, partition: str, num_clients: int, dirichlet_alpha: float,
+    classes_per_client: int, samples_per_class: int, max_samples_per_client: int | None,
+) -> None:
+    """Raise ``ValueError`` for a partition option of :class:`FederatedDataModule` outside its range."""
+    if partition not in PARTITION_NAMES:
+        raise ValueError(f"unknown partition {partition!r}; choose one of {list(PARTITION_NAMES)}")
+    _check_int("num_clients", num_clients, 1)
+    if not dirichlet_alpha > 0:
+        raise ValueError(f"dirichlet_alpha must be > 0, got {dirichlet_alpha!r}")
+    max_classes = None
+    if isinstance(dataset, str) and dataset in IMAGE_DATASETS:
+        max_classes = _NUM_CLASSES[dataset]
+    _check_int("classes_per_client", classes_per_client, 1, max_classes)
+    _check_int("samples_per_class", samples_per_class, 2)
+    if max_samples_per_client is not None:
+        _check_int("max_samples_per_client", max_samples_per_client, 1)
+
+
+def _check_synthetic_options(synthetic_alpha: float, synthetic_beta: float) -> None:
+    """Raise ``ValueError`` unless both heterogeneity parameters are finite and ``>= 0``."""
+    if not 0 <= synthetic_alpha < float("inf") or not 0 <= synthetic_beta < float("inf"):
+        raise ValueError(
+            "synthetic_alpha and synthetic_beta must be >= 0, "
+            f"got {synthetic_alpha!r} and {synthetic_beta!r}"
+        )
+
+
+def _check_evaluation_options(eval_every: int, validation_fraction: float, eval_clients: int | None) -> None:
+    """Raise ``ValueError`` for an evaluation option of :class:`FederatedDataModule` outside its range."""
+    _check_int("eval_every", eval_every, 1)
+    if isinstance(validation_fraction, bool) or not (
+        validation_fraction == 0 or 0 < validation_fraction < 1
+    ):
+        raise ValueError(
+            f"validation_fraction must be 0 (evaluate on the test sets) or in (0, 1), got {validation_fraction!r}"
+        )
+    if eval_clients is not None and (
+        isinstance(eval_clients, bool) or not isinstance(eval_clients, int) or eval_clients < 1
+    ):
+        raise ValueError(
+            f"data.eval_clients must be an integer >= 1 (clients scored at each validation) or null (every "
+            f"client), got {eval_clients!r}"
+        )
+
+
+def _check_root(dataset: str | FederatedDataset, root: str | None) -> None:
+    """Raise ``ValueError`` when MNIST or CIFAR-10 is asked for without a ``root`` folder."""
+    if isinstance(dataset, str) and dataset in ("mnist", "cifar10") and root is None:
+        raise ValueError(
+            f"dataset {dataset!r} needs a `root` folder, got root=None (with `download: true` "
+            "the files are fetched there)"
+        )
 
 
 def _gather(

@@ -149,8 +149,36 @@ class LightningDataPartition(FederatedDataset):
         return list(self._clients)
 
     def _load(self) -> None:
+        """Read the datamodule's samples and split them among the clients (once; later calls return)."""
         if self._clients is not None:
             return
+        dm = self.datamodule
+        train_x, train_y, test_x, test_y = self._read_samples()
+        task = self._task or infer_task(train_x, train_y)
+        self._task = task
+        self._num_classes = _num_classes(dm, task, train_x, train_y, test_y)
+        class_ids = train_y.dim() == 1 and not train_y.is_floating_point() and train_y.dtype != torch.bool
+
+        k, n_train, n_test = self.num_clients, train_y.shape[0], test_y.shape[0]
+        parts = self._train_parts(train_y, class_ids)
+        matching = self.test == "matching" and task == "classification" and class_ids
+        if matching:
+            test_parts = matching_test_split([train_y[p] for p in parts], test_y, self.seed)
+        else:
+            if n_test < k:
+                raise ValueError(f"num_clients={k} exceeds the {n_test} test samples; each client needs one")
+            test_parts = iid(torch.zeros(n_test, dtype=torch.long), k, self.seed)
+        self._clients = [
+            (train_x[p], train_y[p], test_x[q], test_y[q]) for p, q in zip(parts, test_parts, strict=True)
+        ]
+        rank_zero_info(
+            f"LightningDataPartition of {type(dm).__name__}: {n_train} train and {n_test} test samples, "
+            f"task {task}, split among {k} clients ({self.partition} partition, "
+            f"{'matching' if matching else 'iid'} test split)"
+        )
+
+    def _read_samples(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(train_x, train_y, test_x, test_y)`` read from the datamodule's loaders under a seeded ``fork_rng``."""
         dm = self.datamodule
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
@@ -176,12 +204,11 @@ class LightningDataPartition(FederatedDataset):
                 f"train and test samples differ in shape: x {tuple(train_x.shape[1:])} against "
                 f"{tuple(test_x.shape[1:])}, y {tuple(train_y.shape[1:])} against {tuple(test_y.shape[1:])}"
             )
-        task = self._task or infer_task(train_x, train_y)
-        self._task = task
-        self._num_classes = _num_classes(dm, task, train_x, train_y, test_y)
-        class_ids = train_y.dim() == 1 and not train_y.is_floating_point() and train_y.dtype != torch.bool
+        return train_x, train_y, test_x, test_y
 
-        k, n_train, n_test = self.num_clients, train_y.shape[0], test_y.shape[0]
+    def _train_parts(self, train_y: Tensor, class_ids: bool) -> list[Tensor]:
+        """Each client's train sample indices under ``partition``, capped at ``max_samples_per_client``."""
+        k, n_train = self.num_clients, train_y.shape[0]
         if n_train < k:
             raise ValueError(f"num_clients={k} exceeds the {n_train} samples of train_dataloader()")
         if self.partition == "iid":
@@ -196,24 +223,7 @@ class LightningDataPartition(FederatedDataset):
             parts = dirichlet(train_y, k, self.dirichlet_alpha, self.seed)
         else:
             parts = shards(train_y, k, self.classes_per_client, self.seed)
-        parts = cap_client_sizes(parts, self.max_samples_per_client, self.seed)
-
-        matching = self.test == "matching" and task == "classification" and class_ids
-        if matching:
-            test_parts = matching_test_split([train_y[p] for p in parts], test_y, self.seed)
-        else:
-            if n_test < k:
-                raise ValueError(f"num_clients={k} exceeds the {n_test} test samples; each client needs one")
-            test_parts = iid(torch.zeros(n_test, dtype=torch.long), k, self.seed)
-        self._clients = [
-            (train_x[p], train_y[p], test_x[q], test_y[q]) for p, q in zip(parts, test_parts, strict=True)
-        ]
-        rank_zero_info(
-            f"LightningDataPartition of {type(dm).__name__}: {n_train} train and {n_test} test samples, "
-            f"task {task}, split among {k} clients ({self.partition} partition, "
-            f"{'matching' if matching else 'iid'} test split)"
-        )
-
+        return cap_client_sizes(parts, self.max_samples_per_client, self.seed)
 
 def _check_int(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -35,6 +35,9 @@ from lightning_fedmeta.data.federated import FederatedData
 
 __all__ = ["make_synthetic"]
 
+#: one client's ``(train_x, train_y, test_x, test_y)``
+_Client = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
 
 def make_synthetic(
     alpha: float,
@@ -62,15 +65,7 @@ def make_synthetic(
     Returns:
         ``FederatedData`` with float32 features ``[N, dim]`` and int64 labels.
     """
-    if not alpha >= 0 or not beta >= 0:
-        raise ValueError(f"synthetic alpha and beta must be >= 0, got alpha={alpha!r}, beta={beta!r}")
-    checks = (("num_clients", num_clients, 1), ("dim", dim, 1), ("num_classes", num_classes, 2))
-    for name, value, low in checks:
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-
+    _check_arguments(alpha, beta, num_clients, dim, num_classes, test_fraction)
     rng = np.random.default_rng(seed)
     sizes = rng.lognormal(4.0, 2.0, num_clients).astype(np.int64) + 50
     sigma_sqrt = np.power(np.arange(1, dim + 1, dtype=np.float64), -1.2) ** 0.5  # sqrt of diag(Sigma)
@@ -92,18 +87,43 @@ def make_synthetic(
         else:
             w = rng.normal(u[k], 1.0, (dim, num_classes))
             b = rng.normal(u[k], 1.0, num_classes)
-        n = int(sizes[k])
-        x = means[k] + rng.standard_normal((n, dim)) * sigma_sqrt
-        y = np.argmax(x @ w + b, axis=1)
-        order = rng.permutation(n)
-        x, y = x[order], y[order]
-        n_train = int((1.0 - test_fraction) * n)
-        if n_train < 1 or n_train >= n:
-            raise ValueError(
-                f"test_fraction={test_fraction} leaves client {k} ({n} samples) with {n_train} train and "
-                f"{n - n_train} test samples; both must be >= 1"
-            )
-        clients.append((x[:n_train], y[:n_train], x[n_train:], y[n_train:]))
+        x = means[k] + rng.standard_normal((int(sizes[k]), dim)) * sigma_sqrt
+        clients.append(_shuffle_and_split(rng, x, np.argmax(x @ w + b, axis=1), k, test_fraction))
+    return _assemble(clients, num_classes)
+
+
+def _check_arguments(
+    alpha: float, beta: float, num_clients: int, dim: int, num_classes: int, test_fraction: float
+) -> None:
+    """Raise ``ValueError`` for an argument of :func:`make_synthetic` outside its range."""
+    if not alpha >= 0 or not beta >= 0:
+        raise ValueError(f"synthetic alpha and beta must be >= 0, got alpha={alpha!r}, beta={beta!r}")
+    checks = (("num_clients", num_clients, 1), ("dim", dim, 1), ("num_classes", num_classes, 2))
+    for name, value, low in checks:
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+
+
+def _shuffle_and_split(
+    rng: np.random.Generator, x: np.ndarray, y: np.ndarray, k: int, test_fraction: float
+) -> _Client:
+    """Client ``k``'s samples shuffled by ``rng`` and split into ``(train_x, train_y, test_x, test_y)``."""
+    n = x.shape[0]
+    order = rng.permutation(n)
+    x, y = x[order], y[order]
+    n_train = int((1.0 - test_fraction) * n)
+    if n_train < 1 or n_train >= n:
+        raise ValueError(
+            f"test_fraction={test_fraction} leaves client {k} ({n} samples) with {n_train} train and "
+            f"{n - n_train} test samples; both must be >= 1"
+        )
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def _assemble(clients: list[_Client], num_classes: int) -> FederatedData:
+    """The clients' ``(train_x, train_y, test_x, test_y)`` concatenated into one ``FederatedData``."""
 
     def cat(i: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.concatenate([c[i] for c in clients]), dtype=dtype)

@@ -120,6 +120,47 @@ def make_synthetic_scale(
     Returns:
         ``FederatedData`` with float32 features ``[N, dim]`` and int64 labels, client-major.
     """
+    _check_arguments(alpha, beta, num_clients, dim, num_classes, min_samples, exponent, max_samples, test_fraction,
+                     chunk_samples)
+    streams = dict(zip(_STREAMS, (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6)),
+                       strict=True))
+    sizes = power_law_sizes(num_clients, min_samples, exponent, max_samples, streams["sizes"])
+    n_train = np.floor((1.0 - test_fraction) * sizes).astype(np.int64)  # the reference's int(0.9 * n)
+    n_test = sizes - n_train
+    if (n_train < 1).any() or (n_test < 1).any():  # cannot happen for sizes >= min_samples; kept as a guard
+        raise ValueError("a client was left without train or test samples; raise min_samples")
+    u = streams["u"].normal(0.0, alpha, num_clients)
+    big_b = streams["B"].normal(0.0, beta, num_clients)
+    sigma_sqrt = np.power(np.arange(1, dim + 1, dtype=np.float64), -1.2) ** 0.5
+
+    train_offsets = np.concatenate([[0], np.cumsum(n_train)])
+    test_offsets = np.concatenate([[0], np.cumsum(n_test)])
+    train_x, train_y = _empty_rows(int(train_offsets[-1]), dim)
+    test_x, test_y = _empty_rows(int(test_offsets[-1]), dim)
+    trx, tex, tr_y, te_y = train_x.numpy(), test_x.numpy(), train_y.numpy(), test_y.numpy()
+
+    for a, b in _chunks(sizes, chunk_samples):
+        n = sizes[a:b]
+        x, y, owner = _chunk_samples(streams, n, u[a:b], big_b[a:b], sigma_sqrt, num_classes)
+        position = np.arange(owner.size) - np.repeat(np.cumsum(n) - n, n)
+        is_train = position < n_train[a:b][owner]
+        trx[train_offsets[a]:train_offsets[b]] = x[is_train]
+        tr_y[train_offsets[a]:train_offsets[b]] = y[is_train]
+        tex[test_offsets[a]:test_offsets[b]] = x[~is_train]
+        te_y[test_offsets[a]:test_offsets[b]] = y[~is_train]
+
+    return FederatedData(
+        train_x=train_x, train_y=train_y, train_offsets=torch.from_numpy(train_offsets.astype(np.int64)),
+        test_x=test_x, test_y=test_y, test_offsets=torch.from_numpy(test_offsets.astype(np.int64)),
+        num_classes=num_classes, task="classification",
+    )
+
+
+def _check_arguments(
+    alpha: float, beta: float, num_clients: int, dim: int, num_classes: int, min_samples: int, exponent: float,
+    max_samples: int, test_fraction: float, chunk_samples: int,
+) -> None:
+    """Raise ``ValueError`` for an argument of :func:`make_synthetic_scale` outside its range."""
     if not alpha >= 0 or not beta >= 0 or math.isinf(alpha) or math.isinf(beta):
         raise ValueError(f"synthetic alpha and beta must be finite and >= 0, got alpha={alpha!r}, beta={beta!r}")
     for name, value, low in (("num_clients", num_clients, 1), ("dim", dim, 1), ("num_classes", num_classes, 2),
@@ -139,44 +180,22 @@ def make_synthetic_scale(
             f"train and {min_samples - n_train_min} test samples; both must be >= 1 (raise min_samples)"
         )
 
-    streams = dict(zip(_STREAMS, (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6)),
-                       strict=True))
-    sizes = power_law_sizes(num_clients, min_samples, exponent, max_samples, streams["sizes"])
-    n_train = np.floor((1.0 - test_fraction) * sizes).astype(np.int64)  # the reference's int(0.9 * n)
-    n_test = sizes - n_train
-    if (n_train < 1).any() or (n_test < 1).any():  # cannot happen for sizes >= min_samples; kept as a guard
-        raise ValueError("a client was left without train or test samples; raise min_samples")
-    u = streams["u"].normal(0.0, alpha, num_clients)
-    big_b = streams["B"].normal(0.0, beta, num_clients)
-    sigma_sqrt = np.power(np.arange(1, dim + 1, dtype=np.float64), -1.2) ** 0.5
 
-    train_offsets = np.concatenate([[0], np.cumsum(n_train)])
-    test_offsets = np.concatenate([[0], np.cumsum(n_test)])
-    train_x = torch.empty(int(train_offsets[-1]), dim, dtype=torch.float32)
-    test_x = torch.empty(int(test_offsets[-1]), dim, dtype=torch.float32)
-    train_y = torch.empty(int(train_offsets[-1]), dtype=torch.long)
-    test_y = torch.empty(int(test_offsets[-1]), dtype=torch.long)
-    trx, tex, tr_y, te_y = train_x.numpy(), test_x.numpy(), train_y.numpy(), test_y.numpy()
+def _empty_rows(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised float32 features ``[n, dim]`` and int64 labels ``[n]``, filled chunk by chunk."""
+    return torch.empty(n, dim, dtype=torch.float32), torch.empty(n, dtype=torch.long)
 
-    for a, b in _chunks(sizes, chunk_samples):
-        c = b - a
-        n = sizes[a:b]
-        v = streams["v"].standard_normal((c, dim)) + big_b[a:b, None]
-        model = streams["model"].standard_normal((c, dim * num_classes + num_classes)) + u[a:b, None]
-        w = model[:, : dim * num_classes].reshape(c, dim, num_classes)
-        bias = model[:, dim * num_classes:]
-        owner = np.repeat(np.arange(c), n)
-        x = v[owner] + streams["x"].standard_normal((owner.size, dim)) * sigma_sqrt
-        y = _labels(x, w, bias, n)
-        position = np.arange(owner.size) - np.repeat(np.cumsum(n) - n, n)
-        is_train = position < n_train[a:b][owner]
-        trx[train_offsets[a]:train_offsets[b]] = x[is_train]
-        tr_y[train_offsets[a]:train_offsets[b]] = y[is_train]
-        tex[test_offsets[a]:test_offsets[b]] = x[~is_train]
-        te_y[test_offsets[a]:test_offsets[b]] = y[~is_train]
 
-    return FederatedData(
-        train_x=train_x, train_y=train_y, train_offsets=torch.from_numpy(train_offsets.astype(np.int64)),
-        test_x=test_x, test_y=test_y, test_offsets=torch.from_numpy(test_offsets.astype(np.int64)),
-        num_classes=num_classes, task="classification",
-    )
+def _chunk_samples(
+    streams: dict[str, np.random.Generator], n: np.ndarray, u: np.ndarray, big_b: np.ndarray,
+    sigma_sqrt: np.ndarray, num_classes: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Client-major features and labels of one chunk of clients with sizes ``n``, and each sample's client."""
+    c, dim = n.size, sigma_sqrt.size
+    v = streams["v"].standard_normal((c, dim)) + big_b[:, None]
+    model = streams["model"].standard_normal((c, dim * num_classes + num_classes)) + u[:, None]
+    w = model[:, : dim * num_classes].reshape(c, dim, num_classes)
+    bias = model[:, dim * num_classes:]
+    owner = np.repeat(np.arange(c), n)
+    x = v[owner] + streams["x"].standard_normal((owner.size, dim)) * sigma_sqrt
+    return x, _labels(x, w, bias, n), owner

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.data.federated import FederatedData, from_client_tensors
+from lightning_fedmeta.evaluation.scoring import score_client
 from lightning_fedmeta.execution import choose_batching, run_clients
 from lightning_fedmeta.flower.config import DeploymentConfig, import_object, load_config
 from lightning_fedmeta.functional import Batch, ClientContext, Params
@@ -198,8 +199,8 @@ class LocalClient:
 
     def evaluate(self, round_idx: int, params: Params, server_state: dict[str, Any], state: dict[str, Any],
                  record: ClientRecord, width: int) -> dict[str, float]:
-        """The personalised evaluation (``FederatedModule._eval_fn``): ``total``, ``loss_sum`` and
-        ``<metric>_sum`` for each built-in metric, on this client's test set."""
+        """The personalised evaluation (:func:`~lightning_fedmeta.evaluation.scoring.score_client`, as the
+        simulator scores a client): ``total``, ``loss_sum`` and ``<metric>_sum`` for each built-in metric."""
         self._check_record(record)
         adapt = self._draw("adapt", round_idx, self.algorithm.eval_plan(), width)
         adapt = Batch(adapt.x[0], adapt.y[0], adapt.mask[0])
@@ -210,15 +211,15 @@ class LocalClient:
             with torch.random.fork_rng(devices=[]):
                 if seeds is not None:
                     torch.manual_seed(seeds[0])
-                w = self.algorithm.personalize(self.ctx, params, adapt, state, server_state, record)
-                with torch.no_grad():
-                    outputs = self.ctx.predict(w, self.data.test_x)
-                    losses = self.ctx.per_sample_loss(outputs, self.data.test_y)
+                test = Batch(self.data.test_x, self.data.test_y, torch.ones(self.data.test_y.shape[0]))
+                functions = [metric.per_sample for metric in self.metric_names.values()]
+                sums = score_client(self.ctx, self.algorithm, params, server_state, adapt, test, state, record,
+                                    functions)
         finally:
             self.model.train(was_training)
-        result = {"total": float(losses.numel()), "loss_sum": float(losses.sum())}
-        for key, metric in self.metric_names.items():
-            result[f"{key}_sum"] = float(metric.per_sample(outputs, self.data.test_y).double().sum())
+        result = {"total": float(sums["total"]), "loss_sum": float(sums["loss_sum"])}
+        for col, key in enumerate(self.metric_names):
+            result[f"{key}_sum"] = float(sums["builtin"][col])
         return result
 
     def _check_record(self, record: ClientRecord) -> None:

@@ -12,8 +12,9 @@ command reads it, for the keys a deployment uses:
                             holdout_clients, seed, loss, metrics (built-in names)
     data.*                  FederatedDataModule arguments (the partition a node trains on: partition-id)
 
-The options that *simulate* unreliable, Byzantine or private clients (contract 13) are refused: on Flower the
-failures are real, and robust or private aggregation belongs to the server's rule (docs/deploy.md).
+The server runs the simulator's server pipeline (:mod:`lightning_fedmeta.loop.server`), so ``model.aggregator``
+(robust rules) and ``model.dp`` (DP-FedAvg: clipping, noise, adaptive clipping) deploy unchanged. The options
+that *simulate* unreliable or Byzantine clients are refused: on Flower the failures are real (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ UNSUPPORTED_OPTIONS: dict[str, str] = {
     "over_selection": "it simulates over-selection of clients that may fail",
     "local_steps_dist": "it simulates stragglers",
     "byzantine": "it simulates attacks",
-    "aggregator": "robust aggregation rules are not deployed yet (see docs/deploy.md)",
-    "dp": "DP-FedAvg is not deployed yet; see docs/deploy.md for Flower's DP mods",
     "server_lr_scheduler": "a server learning-rate scheduler is not deployed yet",
 }
 
@@ -49,6 +48,7 @@ EXECUTION_OPTIONS = ("client_batching", "client_chunk_size", "compile_clients")
 
 _MODULE_OPTIONS = (
     "clients_per_round", "fraction", "aggregation", "server_lr", "holdout_clients", "seed", "loss", "metrics",
+    "aggregator", "dp",
 )
 
 
@@ -148,13 +148,14 @@ class DeploymentConfig:
 
         return FederatedDataModule(**self.data_options)
 
-    def reference_module(self, model: nn.Module) -> Any:
-        """The in-process :class:`~lightning_fedmeta.FederatedModule` this deployment equals (for tests)."""
+    def reference_module(self, model: nn.Module, **overrides: Any) -> Any:
+        """The in-process :class:`~lightning_fedmeta.FederatedModule` this deployment equals (for tests);
+        ``overrides`` are further module options (e.g. a simulated ``client_dropout``)."""
         from lightning_fedmeta.module import FederatedModule
 
         return FederatedModule(
             model=model, algorithm=copy.deepcopy(self.algorithm_spec),
-            server_optimizer=self.server_optimizer_factory(), **self.module_options,
+            server_optimizer=self.server_optimizer_factory(), **{**self.module_options, **overrides},
         )
 
 

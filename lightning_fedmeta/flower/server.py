@@ -38,7 +38,11 @@ from lightning_fedmeta.flower.config import DeploymentConfig
 from lightning_fedmeta.flower.records import client_record_to_record, record_to_tree, tree_to_record
 from lightning_fedmeta.flower.state_file import atomic_torch_save as atomic_save
 from lightning_fedmeta.functional import Params
-from lightning_fedmeta.sampling import choose_holdout, sample_clients
+from lightning_fedmeta.loop.federation import Federation
+from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite
+from lightning_fedmeta.loop.stages import ServerContext, Uploads
+from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
+from lightning_fedmeta.reliability import Reliability
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
 __all__ = ["DeploymentServer", "GridLike", "NODE_UNAVAILABLE", "RETRYABLE"]
@@ -199,53 +203,51 @@ class DeploymentServer:
         self.seed = cfg.seed
         self.counts = torch.tensor([int(self.info[p]["num-train"]) for p in range(k)], dtype=torch.long)
         self.label_counts = torch.stack([self.info[p]["label_counts"] for p in range(k)])
-        self.holdout = choose_holdout(self.seed, k, options.get("holdout_clients", 0))
-        self.is_holdout = torch.zeros(k, dtype=torch.bool)
-        self.is_holdout[self.holdout] = True
-        self.eligible = (~self.is_holdout).nonzero().flatten()
-        n_eligible = int(self.eligible.numel())
-        self.aggregation = options.get("aggregation", "samples")
-        if options.get("fraction") is not None:
-            self.num_sampled = max(1, math.ceil(float(options["fraction"]) * n_eligible))
-        else:
-            self.num_sampled = int(options.get("clients_per_round", 10))
-            if self.num_sampled > n_eligible:
-                raise ValueError(f"model.clients_per_round = {self.num_sampled} exceeds the {n_eligible} training "
-                                 f"clients ({k} partitions, {k - n_eligible} held out)")
-        share = self.counts.to(torch.float64) if self.aggregation == "samples" else torch.ones(k, dtype=torch.float64)
-        share = share * (~self.is_holdout).to(torch.float64)
-        self.client_weight = share / share.sum()
-        self.seen = torch.zeros(k, dtype=torch.bool)
+        # the in-process module's federation and server pipeline (participation is real here: nothing simulated)
+        reliability = Reliability.from_options(aggregator=options.get("aggregator"), dp=options.get("dp"))
+        self.federation = Federation(self.seed, options.get("clients_per_round", 10) if options.get("fraction")
+                                     is None else None, options.get("fraction"), options.get("holdout_clients", 0),
+                                     options.get("aggregation", "samples"), reliability)
+        self.federation.bind(self.counts, self.algorithm, str(spec["task"]))
+        self.pipeline = ServerPipeline.from_reliability(reliability)
+        self.dp_clip = math.inf if reliability.dp is None else float(reliability.dp.clip)
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
         self.algorithm.bind_clients(self.records(torch.arange(k)), self.label_counts)
         self.server_state = self.algorithm.init_server_state(self.params())
         self.population = tree_to_record({
-            "num_samples": self.counts, "weight": self.client_weight, "is_new": self.is_holdout,
+            "num_samples": self.counts, "weight": self.federation.client_weight, "is_new": self.federation.is_holdout,
             "label_counts": self.label_counts,
         })
         self.round = 0
         if self.checkpoint and os.path.isfile(self.checkpoint):
             self.load(self.checkpoint)
 
+    @property
+    def num_sampled(self) -> int:
+        return self.federation.num_sampled
+
+    @property
+    def eligible(self) -> Tensor:
+        return self.federation.eligible
+
+    @property
+    def seen(self) -> Tensor:
+        assert self.federation.seen is not None
+        return self.federation.seen
+
     def params(self) -> Params:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def records(self, clients: Tensor) -> ClientRecord:
-        """The stacked records of the given clients (``FederatedModule.records``)."""
-        idx = clients.long()
-        return ClientRecord(index=idx, weight=self.client_weight[idx], is_new=self.is_holdout[idx],
-                            seen=self.seen[idx], num_samples=self.counts[idx])
-
-    def weights(self, clients: Tensor) -> Tensor:
-        """The round's weights, renormalised over ``clients`` (``FederatedModule._weights``)."""
-        w = torch.ones(clients.numel()) if self.aggregation == "uniform" else self.counts[clients].to(torch.float32)
-        return w / w.sum()
+        """The stacked records of the given clients (the simulator's :class:`Federation` records)."""
+        return self.federation.records(clients)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "round": self.round, "run_key": self.run_key, "params": {k: v.clone() for k, v in self.params().items()},
             "init_params": self.init_params, "optimizer": self.optimizer.state_dict(),
-            "server_state": flatten_state(self.server_state), "seen": self.seen.clone(),
+            "server_state": flatten_state(self.server_state), "seen": self.federation.seen.clone(),
+            "dp_clip": self.dp_clip,
             "state_round": self.state_round.clone(), "history": self.history, "failures": self.failures,
             "num_clients": self.num_clients, "counts": self.counts.clone(),
         }
@@ -265,7 +267,8 @@ class DeploymentServer:
         self.init_params = saved["init_params"]
         self.optimizer.load_state_dict(saved["optimizer"])
         self.server_state = unflatten_state(saved["server_state"])
-        self.seen = saved["seen"].clone()
+        self.federation.seen = saved["seen"].clone()
+        self.dp_clip = float(saved.get("dp_clip", self.dp_clip))
         self.state_round = saved["state_round"].clone()
         self.history = list(saved["history"])
         self.failures = list(saved["failures"])
@@ -367,8 +370,8 @@ class DeploymentServer:
     # rounds
     # ------------------------------------------------------------------------------------------
     def sampled(self, round_idx: int) -> Tensor:
-        """The round's clients: ``sample_clients(seed, r)``, as in the simulator (sorted)."""
-        return sample_clients(self.seed, round_idx, self.eligible, self.num_sampled)
+        """The round's clients: the simulator's draw (sorted)."""
+        return self.federation.round_clients(round_idx)
 
     def train_round(self, round_idx: int) -> dict[str, Any]:
         """One round (see the module docstring); returns its log entry."""
@@ -382,26 +385,38 @@ class DeploymentServer:
         outs = [self._output(replies[int(p)]) for p in answered]
         out = ClientOutput(*(torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *[o[i] for o in outs])
                              if outs[0][i] else {} for i in range(4)))
-        weights = self.weights(answered)
-        params = self.params()
-        delta, new_server_state = self.algorithm.aggregate(params, out, weights, self.server_state,
-                                                           self.records(answered))
-        if not all(bool(torch.isfinite(v).all()) for v in delta.values()):
-            raise FloatingPointError(
-                f"round {round_idx}: the aggregated update is not finite; lower the learning rates"
-            )
-        self.optimizer.zero_grad()
-        for name, p in self.model.named_parameters():
-            p.grad = (-delta[name]).to(p.dtype)
-        self.optimizer.step()
-        self.server_state = new_server_state
-        self.seen[answered] = True
+        weights = self.federation.weights(answered)
+        uploads = self.pipeline.run(Uploads(out, weights), self._server_context(round_idx, answered))
+        if uploads is None or uploads.update is None:
+            self.log(f"[fedmeta] round {round_idx}: {answered.numel()} clients answered, too few for "
+                     f"model.aggregator; the model is unchanged")
+            return entry
+        check_update_finite(round_idx, uploads.update.delta)
+        apply_server_step(self.optimizer, self.model, uploads.update.delta)
+        self.server_state = uploads.update.server_state
+        self.federation.mark_seen(answered)
         self.state_round[answered] = round_idx
+        if uploads.privacy is not None:
+            entry["dp"] = uploads.privacy.logged()
+            if uploads.privacy.next_clip is not None:
+                self.dp_clip = uploads.privacy.next_clip
         metrics = {k: float(v) for k, v in weighted_mean_metrics(out.metrics, weights).items()}
         entry["train"] = metrics
         self.log(f"[fedmeta] round {round_idx}: clients {answered.tolist()} of {sampled.tolist()} aggregated; "
                  + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
         return entry
+
+    def _server_context(self, round_idx: int, answered: Tensor) -> ServerContext:
+        """What the server stages read (no client is simulated Byzantine in a deployment)."""
+        reliability = self.federation.reliability
+        return ServerContext(
+            algorithm=self.algorithm, params=self.params(), server_state=self.server_state,
+            records=self.records(answered), seed=self.seed, round_idx=round_idx,
+            byzantine=torch.zeros(answered.numel(), dtype=torch.bool),
+            steps=self.federation.round_steps(round_idx, answered, self.algorithm.round_plan().steps),
+            cohort=self.num_sampled, clip=self.dp_clip,
+            assumed_byzantine=reliability.assumed_byzantine(self.num_sampled),
+        )
 
     @staticmethod
     def _output(reply: Message) -> ClientOutput:
@@ -416,21 +431,40 @@ class DeploymentServer:
         )
 
     def evaluate(self, round_idx: int) -> dict[str, float]:
-        """The personalised evaluation of every client (``{metric}_weighted``, ``{metric}_mean``, and the loss)."""
+        """The personalised evaluation of every client, summarised as the simulator summarises it
+        (:meth:`~lightning_fedmeta.metrics.ClientMetrics.summaries`: ``{metric}_weighted``, ``_mean``,
+        ``_worst10`` for the training clients, and ``new/...`` for the held-out ones)."""
         k = self.num_clients
         replies = self.exchange("evaluate", round_idx, list(range(k)))
         per_client = {p: dict(m.content.metric_records["metrics"]) for p, m in replies.items()}
         result: dict[str, float] = {"clients": float(len(per_client))}
         if not per_client:
             return result
-        total = sum(v["total"] for v in per_client.values())
-        names = [key[: -len("_sum")] for key in next(iter(per_client.values())) if key.endswith("_sum")]
-        for name in names:
-            result[f"{name}_weighted"] = sum(v[f"{name}_sum"] for v in per_client.values()) / total
-            result[f"{name}_mean"] = sum(v[f"{name}_sum"] / v["total"] for v in per_client.values()) / len(per_client)
+        names = [key[: -len("_sum")] for key in next(iter(per_client.values())) if key.endswith("_sum")
+                 and key != "loss_sum"]
+        metrics = ClientMetrics({name: self._metric_spec(name) for name in names}, k)
+        clients = torch.tensor(sorted(per_client), dtype=torch.long)
+        metrics.update(clients, {
+            "total": torch.tensor([per_client[int(c)]["total"] for c in clients], dtype=torch.float64),
+            "loss_sum": torch.tensor([per_client[int(c)]["loss_sum"] for c in clients], dtype=torch.float64),
+            "builtin": torch.tensor([[per_client[int(c)][f"{n}_sum"] for n in names] for c in clients],
+                                    dtype=torch.float64).reshape(len(clients), len(names)),
+        })
+        partial = clients.numel() < k
+        summary = metrics.summaries(self.federation.summary_groups(clients if partial else None))
+        for group, values in summary.items():
+            if group.startswith("_"):
+                continue
+            prefix = "" if group == "clients" else f"{group}/"
+            result.update({prefix + key: float(v) for key, v in values.items()})
         self.log(f"[fedmeta] personalised evaluation after round {round_idx}: "
                  + ", ".join(f"{k} = {v:.4f}" for k, v in result.items() if k != "clients"))
         return result
+
+    def _metric_spec(self, key: str) -> str:
+        """The built-in metric name of evaluation key ``key`` (the config's ``model.metrics``, else the default)."""
+        metrics = self.cfg.module_options.get("metrics") or DEFAULT_METRICS[str(self.info[0]["task"])]
+        return dict(metrics)[key]
 
     def run(self) -> dict[str, Any]:
         """Discover the nodes, set up (or resume), train the remaining rounds, evaluate, write the outputs."""

@@ -11,50 +11,23 @@ The server tells each message which round's state to start from (``state-round``
 from this client it aggregated; −1 before the first one, when the state is the algorithm's initial state).
 A round the server did not aggregate (a lost reply) therefore never leaks into the next one, and a retried
 round recomputes from the same state: exactly the in-process loop, where a failed client's state is untouched.
-Files are written atomically (:func:`atomic_torch_save`: temporary file in the same folder, ``fsync``,
-``os.replace``, folder ``fsync``), so a crash never leaves a half-written state.
+Files are written atomically (:func:`lightning_fedmeta.atomic_io.atomic_torch_save`: temporary file in the same
+folder, ``fsync``, ``os.replace``, folder ``fsync``), so a crash never leaves a half-written state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_fedmeta.atomic_io import atomic_torch_save  # re-exported: flower/server.py imports it from here
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
 __all__ = ["ClientStateFile", "atomic_torch_save", "default_state_dir"]
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj, path)`` that never leaves ``path`` half-written: a temporary file in the same folder,
-    flushed and ``fsync``-ed, ``os.replace``-d over ``path``, then the folder ``fsync``-ed (the same protocol as
-    :func:`lightning_fedmeta.checkpointing.atomic_save`, without importing Lightning in the ClientApp)."""
-    target = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(target)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
-    try:
-        with open(tmp, "xb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if os.name != "nt":
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 _ROUND_FILE = re.compile(r"^round-(-?\d+)\.pt$")
 

@@ -1,0 +1,235 @@
+"""Personalised evaluation: every client's own model scored on its own test set (docs/design.md, contract 6).
+
+For client ``i`` at round ``r``:  ``w_i = algorithm.personalize(w, adapt batches_i, state_i, σ, record_i)`` and
+its test samples give masked sums of the loss and of each built-in metric. The clients run in chunks of
+``client_chunk_size`` (streamed into :class:`~lightning_fedmeta.metrics.ClientMetrics`: bounded memory for any
+``K``), looped or ``vmap``-ed like training. Summaries per group (training clients, held-out clients, honest
+clients under ``model.byzantine``): the sample-weighted mean, the unweighted mean and the worst decile.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.evaluation.scoring import score_client
+from lightning_fedmeta.execution import run_clients
+from lightning_fedmeta.functional import Batch, Params
+from lightning_fedmeta.loop.engine import RoundEngine
+from lightning_fedmeta.loop.ranks import RankSplit
+from lightning_fedmeta.metrics import ClientMetrics, MetricSpec
+from lightning_fedmeta.sampling import generator_for
+
+__all__ = ["Evaluator", "Summary"]
+
+Summary = dict[str, dict[str, Tensor]]
+
+
+class Evaluator:
+    """Scores the engine's clients with their personalised models and keeps the last evaluation."""
+
+    def __init__(self, engine: RoundEngine) -> None:
+        self.engine = engine
+        self.metric_directions: dict[str, bool] = {}
+        self.primary_metric = "loss"
+        self.last_summary: Summary = {}
+        self.last_summary_round = -1  # the round last_summary was measured after
+        self.last_per_client: dict[str, Tensor] = {}
+        self.last_evaluated: Tensor | None = None  # the clients the last evaluation scored (data.eval_clients)
+        self._pending_state: dict[str, Tensor] | None = None
+        self._sample_logged = False
+
+    def bind(self, specs: dict[str, MetricSpec], num_clients: int) -> None:
+        self.metric = ClientMetrics(specs, num_clients)
+        self.metric_directions = dict(self.metric.directions)
+        self.primary_metric = next(iter(self.metric_directions))
+        if self._pending_state is not None:  # a checkpoint loaded before the data was attached
+            self.restore(self._pending_state)
+            self._pending_state = None
+
+    # ------------------------------------------------------------------------------------------
+    # scoring
+    # ------------------------------------------------------------------------------------------
+    def _eval_fn(self, params: Params, server_state: dict[str, Tensor], adapt: Batch, test: Batch,
+                 state: dict[str, Tensor], record: ClientRecord, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One client's personalised model scored on its padded test set (:func:`score_client`), with its
+        BatchNorm statistics."""
+        engine = self.engine
+        ctx = engine.ctx.for_client(buffers) if buffers else engine.ctx
+        return score_client(ctx, engine.algorithm, params, server_state, adapt, test, state, record,
+                            self.metric.builtin_functions(), self.metric.needs_outputs)
+
+    def chunk_size(self) -> int:
+        """``client_chunk_size``, or ``max(clients per round, 100)`` when that is ``None``."""
+        return self.engine.client_chunk_size or max(self.engine.federation.num_sampled, 100)
+
+    def chunks(self, clients: Tensor) -> list[Tensor]:
+        """``clients`` cut into the consecutive chunks ``run_clients`` forms (so streaming is bit-identical)."""
+        size = self.chunk_size()
+        return [clients[start:start + size] for start in range(0, clients.numel(), size)]
+
+    def evaluate_chunk(self, clients: Tensor, round_idx: int) -> dict[str, Tensor]:
+        """One chunk's scores: ``total``, ``loss_sum``, ``builtin`` ``[C, B]`` and, with torchmetrics metrics,
+        ``outputs``, ``targets``, ``mask``; only this chunk's batches, states and statistics are gathered."""
+        engine = self.engine
+        adapt = engine.gatherer.batches("adapt", round_idx, clients, engine.algorithm.eval_plan())
+        test = engine.gatherer.test_batches(clients)
+        states = engine.client_states.gather(clients)
+        seeds = engine.loop_seeds("eval-dropout", round_idx, clients)
+        engine.compile.for_evaluation()
+        with torch.inference_mode(False), torch.enable_grad():
+            out = run_clients(
+                self._eval_fn, (engine.global_params(), engine.server_state),
+                (adapt, test, states, engine.records(clients), engine.starting_buffers(clients)),
+                clients.numel(), engine.batching, self.chunk_size(), seeds,
+                label=f"{type(engine.algorithm).__name__}.personalize",
+            )
+        if "outputs" in out:
+            out = {**out, "targets": test.y, "mask": test.mask}
+        return out
+
+    def evaluate_clients(self, clients: Tensor, round_idx: int) -> dict[str, Tensor]:
+        """Every listed client's scores, stacked (the chunks of :meth:`chunks` concatenated)."""
+        parts = [self.evaluate_chunk(part, round_idx) for part in self.chunks(clients)]
+        if len(parts) == 1:
+            return parts[0]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    # ------------------------------------------------------------------------------------------
+    # which clients, and the evaluation itself
+    # ------------------------------------------------------------------------------------------
+    def evaluation_clients(self, stage: str, sample_size: int | None = None) -> Tensor:
+        """The clients an evaluation scores, sorted: every client at ``test`` or without ``sample_size``; at
+        ``val`` with ``N = sample_size < K`` a fixed stratified sample: ``N_new = round(N·|H|/K)`` held-out
+        clients (at least 1 when ``H`` is not empty and ``N >= 2``, leaving at least one training client) and
+        ``N − N_new`` training clients, each the first of a permutation drawn by
+        ``generator_for(seed, "eval-clients", "train" | "new")``: the same clients at every validation, every rank."""
+        federation = self.engine.federation
+        k = federation.num_clients
+        if stage == "test" or sample_size is None or sample_size >= k:
+            return torch.arange(k)
+        eligible, holdout = federation.eligible.cpu(), federation.holdout.cpu()
+        n = int(sample_size)
+        n_new = math.floor(n * holdout.numel() / k + 0.5)
+        if holdout.numel() and n >= 2:
+            n_new = max(1, n_new)
+        if eligible.numel() and n >= 2:
+            n_new = min(n_new, n - 1)
+        n_new = min(n_new, holdout.numel())
+        n_train = min(n - n_new, eligible.numel())
+        n_new = n - n_train
+        picks = [
+            group[torch.randperm(group.numel(), generator=generator_for(federation.seed, "eval-clients", tag))[:m]]
+            for group, tag, m in ((eligible, "train", n_train), (holdout, "new", n_new))
+        ]
+        return torch.cat(picks).sort().values
+
+    def _log_sample(self, evaluated: Tensor) -> None:
+        """Say once which clients the validations score (``data.eval_clients``)."""
+        if self._sample_logged:
+            return
+        self._sample_logged = True
+        is_holdout = self.engine.federation.is_holdout
+        n_new = int(is_holdout[evaluated].sum())
+        rank_zero_info(
+            f"[lightning_fedmeta] data.eval_clients={evaluated.numel()}: every validation scores the same "
+            f"{evaluated.numel()} of {is_holdout.numel()} clients ({evaluated.numel() - n_new} training, "
+            f"{n_new} held out; drawn once per group in proportion to its size from model.seed="
+            f"{self.engine.seed}, tag 'eval-clients'); test scores every client"
+        )
+
+    def run(self, stage: str, round_idx: int, sample_size: int | None, ranks: RankSplit) -> tuple[Summary, Tensor,
+                                                                                                    bool]:
+        """Score the stage's clients (this rank's share, streamed chunk by chunk), synchronise the per-client
+        metric states over the ranks and summarise. Returns ``(summary, evaluated clients, sampled)``."""
+        engine = self.engine
+        assert engine.model is not None
+        was_training = engine.model.training
+        engine.model.eval()
+        evaluated = self.evaluation_clients(stage, sample_size)
+        sampled = evaluated.numel() < engine.federation.num_clients
+        if sampled:
+            self._log_sample(evaluated)
+        clients = evaluated[ranks.share(evaluated.numel())]
+        self.metric = self.metric.to(engine.device)
+        self.metric.reset()
+        for part in self.chunks(clients):  # streamed: one chunk's batches, states and outputs at a time
+            scores = self.evaluate_chunk(part, round_idx)
+            self.metric.update(part, scores)
+            if "outputs" in scores:
+                self.metric.update_outputs(part, scores["outputs"], scores["targets"], scores["mask"])
+            del scores
+        engine.model.train(was_training)
+        self.metric.sync(clients, ranks.reduce if ranks.world > 1 else None)
+        summary = self.metric.summaries(engine.federation.summary_groups(evaluated if sampled else None))
+        self._keep(summary, round_idx, evaluated, evaluated if sampled else None)
+        return summary, evaluated, sampled
+
+    def _keep(self, summary: Summary, round_idx: int, scored: Tensor, evaluated: Tensor | None) -> None:
+        self.last_summary = summary
+        self.last_summary_round = round_idx
+        self.last_evaluated = scored
+        self.last_per_client = blank_unevaluated(summary["_per_client"], evaluated)
+
+    # ------------------------------------------------------------------------------------------
+    # state and output
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The last evaluation's per-client metric states (a resumed run reports the same per-client values)."""
+        return {"metric_state": self.metric.state_dict() if hasattr(self, "metric") else None}
+
+    def load_state_dict(self, state: dict[str, Tensor] | None, attached: bool) -> None:
+        if state is None:
+            return
+        if attached and hasattr(self, "metric"):
+            self.restore(state)
+        else:
+            self._pending_state = state
+
+    def restore(self, state: dict[str, Tensor]) -> None:
+        """Load saved per-client metric states and the summaries they give (as after that evaluation), with the
+        same groups an evaluation reports."""
+        self.metric.load_state_dict(state)
+        if float(self.metric.total.sum()) > 0:
+            scored = (self.metric.total.cpu() > 0).nonzero().flatten()  # a data.eval_clients sample: those only
+            evaluated = None if scored.numel() == self.metric.total.numel() else scored
+            summary = self.metric.summaries(self.engine.federation.summary_groups(evaluated))
+            self.last_summary = summary
+            self.last_evaluated = scored
+            self.last_per_client = blank_unevaluated(summary["_per_client"], evaluated)
+
+    def write_per_client_csv(self, directory: str) -> str:
+        """Write ``test_per_client.csv`` (client, index, held_out, n_test, one column per metric, loss): one row
+        per client the last evaluation scored."""
+        engine = self.engine
+        assert engine.data is not None
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "test_per_client.csv")
+        pc, keys = self.last_per_client, list(self.metric_directions)  # the metrics, then the loss
+        names, is_holdout = engine.data.client_names, engine.federation.is_holdout
+        with open(path, "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["client", "index", "held_out", "n_test", *keys])
+            rows = range(len(names)) if self.last_evaluated is None else self.last_evaluated.tolist()
+            for i in rows:
+                writer.writerow([names[i], i, int(is_holdout[i]), int(pc["total"][i]),
+                                 *(f"{float(pc[k][i]):.6f}" for k in keys)])
+        return path
+
+
+def blank_unevaluated(per_client: dict[str, Tensor], evaluated: Tensor | None) -> dict[str, Tensor]:
+    """Per-client values on the CPU with NaN for every metric of a client not evaluated (``total`` stays 0), so
+    the plots and summaries that drop NaN never read an unscored client as a zero."""
+    out = {k: v.cpu() for k, v in per_client.items()}
+    if evaluated is None:
+        return out
+    missing = torch.ones(out["total"].numel(), dtype=torch.bool)
+    missing[evaluated.cpu()] = False
+    return {k: v if k == "total" else v.masked_fill(missing, math.nan) for k, v in out.items()}

@@ -1,0 +1,330 @@
+"""The round engine: one federated round, written once, with no Trainer in it.
+
+Round ``r`` as named phases, each a method, values passed from one to the next:
+
+    1. participants   S = federation.round_clients(r)                          (Federation: sampling, dropout)
+    2. gather         batches[S], state[S], record[S], BN statistics[S]        (BatchGatherer, client store)
+    3. compute        RoundResult = run_clients(client_update, ...)            looped or vmap-ed; ranks combined
+    4. combine        Uploads = ServerPipeline.run(RoundResult)                attacks, clipping, rule, noise
+    5. step           apply_server_step(optimizer, model, Δ)                   p.grad = −Δ; optimizer.step()
+    6. commit         state[S] ← new state, σ ← σ', seen[S] ← True, BN statistics
+
+:meth:`RoundEngine.run_round` runs all six; the Lightning module (:class:`~lightning_fedmeta.FederatedModule`),
+the testing kit and benchmarks drive it with their optimizer, and the Flower ServerApp runs phases 4–6 on the
+outputs its SuperNodes computed. Devices, logging and checkpoint files belong to the frontend; each part here
+owns its ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.attacks import flip_labels
+from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.execution import choose_batching, run_clients
+from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.loop.client_state import (
+    AnyStore,
+    RunningStatistics,
+    StoreLocation,
+    build_client_store,
+    restore_client_store,
+)
+from lightning_fedmeta.loop.compile_policy import CompilePolicy
+from lightning_fedmeta.loop.federation import Federation
+from lightning_fedmeta.loop.gather import BatchGatherer
+from lightning_fedmeta.loop.ranks import RankSplit
+from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
+from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, skip_server_step
+from lightning_fedmeta.loop.stages import ServerContext, Uploads
+from lightning_fedmeta.participation import mask_missing_steps
+from lightning_fedmeta.sampling import stable_seed
+from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
+from lightning_fedmeta.validation import (
+    validate_aggregate_output,
+    validate_client_output,
+    validate_init_server_state,
+)
+
+__all__ = ["RoundEngine"]
+
+
+class RoundEngine:
+    """The federated loop of one run: its clients, their state, the round's phases and the server pipeline.
+
+    Args:
+        algorithm: the algorithm (its three pure functions and state spec).
+        federation: who takes part (:class:`~lightning_fedmeta.loop.federation.Federation`).
+        client_batching: ``"auto"``, ``"vmap"`` or ``"loop"``.
+        client_chunk_size: clients per ``vmap`` call (``None``: all at once).
+        compile_policy: when the client steps are compiled.
+        store: where the client state rows live (``model.client_state``).
+    """
+
+    def __init__(self, algorithm: Algorithm, federation: Federation, client_batching: str = "auto",
+                 client_chunk_size: int | None = 100, compile_policy: CompilePolicy | None = None,
+                 store: StoreLocation | None = None) -> None:
+        self.algorithm = algorithm
+        self.federation = federation
+        self.reliability = federation.reliability
+        self.pipeline = ServerPipeline.from_reliability(self.reliability)
+        self.client_batching = client_batching
+        self.client_chunk_size = client_chunk_size
+        self.compile = compile_policy or CompilePolicy(False)
+        self.store = store or StoreLocation("memory", None)
+        self.client_states: AnyStore = ClientStateStore()
+        self.running = RunningStatistics()
+        self.server_state: dict[str, Any] = {}
+        self.ranks = RankSplit()
+        self.device = torch.device("cpu")
+        self.data: FederatedData | None = None
+        self.model: nn.Module | None = None
+        self.batching = "loop"
+        self.validated: set[str] = set()  # outputs validated on the first round with this data
+        self._last: RoundResult | None = None  # for the (clients, output, weights) form of compute / commit
+
+    @property
+    def seed(self) -> int:
+        return self.federation.seed
+
+    # ------------------------------------------------------------------------------------------
+    # setup
+    # ------------------------------------------------------------------------------------------
+    def bind(self, data: FederatedData, model: nn.Module, per_sample_loss: Any, task: str) -> str:
+        """Bind the data and model: population, running statistics, batching, client and server state, context.
+        Returns why the clients run looped or batched."""
+        self.data, self.model, self.per_sample_loss = data, model, per_sample_loss
+        k = data.num_clients
+        self.federation.bind(data.train_counts, self.algorithm, task)
+        self.running.prepare(model, k)
+        self.batching, reason = choose_batching(model, self.client_batching)
+        if self.batching == "vmap" and not type(self.algorithm).batchable:
+            name = type(self.algorithm).__name__
+            if self.client_batching == "vmap":
+                raise ValueError(f"client_batching='vmap' is impossible: {name} is not batchable")
+            self.batching, reason = "loop", f"{name} runs its clients looped (batchable=False)"
+        params = self.global_params()
+        everyone = self.records(torch.arange(k), device=torch.device("cpu"))
+        self.algorithm.bind_clients(everyone, data.label_counts.cpu())
+        if not self.client_states.tensors:
+            self.client_states = build_client_store(self.algorithm, params, everyone, self.store)
+        if not self.server_state:
+            server_state = self.algorithm.init_server_state(params)
+            validate_init_server_state(self.algorithm, server_state)
+            self.server_state = server_state
+        self.validated = set()
+        self.gatherer = BatchGatherer(data, self.seed, self.device)
+        self.ctx = self.make_context()
+        return reason
+
+    def make_context(self) -> ClientContext:
+        """The clients' functional view of the model (with the primitive compiler on the batched path)."""
+        assert self.model is not None
+        return ClientContext(self.model, dict(self.model.named_buffers()), per_sample_loss=self.per_sample_loss,
+                             compiler=self.compile.compiler if self.batching == "vmap" else None)
+
+    def place(self, device: torch.device) -> None:
+        """Move data and every client's state to ``device``; the context is rebuilt (a compiled step keeps its
+        graph as long as the device does not change)."""
+        assert self.data is not None
+        if self.data.train_x.device != device:
+            self.data = self.data.to(device)
+        self.device = device
+        self.client_states.to(device)
+        self.running.store.to(device)
+        self.server_state = map_state(lambda v: v.to(device), self.server_state)
+        self.gatherer.place(self.data, device)
+        self.ctx = self.make_context()
+
+    def global_params(self) -> Params:
+        assert self.model is not None
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def records(self, clients: Tensor, device: torch.device | None = None) -> ClientRecord:
+        """The stacked :class:`ClientRecord` of the given clients (on the engine's device)."""
+        return self.federation.records(clients, self.device if device is None else device)
+
+    def loop_seeds(self, tag: str, round_idx: int, clients: Tensor) -> list[int] | None:
+        """Per-client seeds of the global RNG for looped clients (dropout); the batched path draws nothing."""
+        if self.batching != "loop":
+            return None
+        return [stable_seed(self.seed, tag, round_idx, int(c)) for c in clients]
+
+    def starting_buffers(self, clients: Tensor) -> dict[str, Tensor]:
+        """The BatchNorm statistics each listed client starts from (its own once it trained)."""
+        assert self.model is not None and self.federation.seen is not None
+        return self.running.starting(clients, self.federation.seen, self.model, self.device)
+
+    # ------------------------------------------------------------------------------------------
+    # the round's phases
+    # ------------------------------------------------------------------------------------------
+    def _client_fn(self, params: Params, server_state: dict[str, Tensor], batches: Batch, state: dict[str, Tensor],
+                   record: ClientRecord, buffers: dict[str, Tensor]) -> tuple[ClientOutput, dict[str, Tensor]]:
+        """One client's local procedure, and its running statistics after it (``{}`` without BatchNorm)."""
+        ctx = self.ctx.for_client(buffers) if buffers else self.ctx
+        out = self.algorithm.client_update(ctx, params, batches, state, server_state, record)
+        return out, ctx.updated_buffers()
+
+    def _poison_labels(self, batches: Batch, local: Tensor) -> None:
+        """Data poisoning (``byzantine.attack = label_flip``): the Byzantine clients' labels flipped in place."""
+        attack = self.reliability.byzantine
+        if attack is None or attack.attack != "label_flip":
+            return
+        flipped = self.federation.is_byzantine(local).to(batches.y.device)
+        if bool(flipped.any()):
+            assert self.data is not None and self.data.num_classes is not None
+            batches.y[flipped] = flip_labels(batches.y[flipped], int(self.data.num_classes))
+
+    def compute(self, round_idx: int) -> RoundResult | None:
+        """Phases 1–3: the round's clients run their local procedures (all ranks combined); ``None`` when no
+        sampled client answers."""
+        sampled = self.federation.round_clients(round_idx)
+        if sampled.numel() == 0:
+            return None
+        positions = self.ranks.share(sampled.numel())
+        local = sampled[positions] if positions.numel() else sampled[:1]
+        plan = self.algorithm.round_plan()
+        batches = self.gatherer.batches("train", round_idx, local, plan)
+        steps = self.federation.round_steps(round_idx, sampled, plan.steps)
+        if self.reliability.budget is not None:  # stragglers: their steps beyond the budget see empty batches
+            mask_missing_steps(batches.mask, steps[positions] if positions.numel() else steps[:1])
+        self._poison_labels(batches, local)
+        states = self.client_states.gather(local)
+        seeds = self.loop_seeds("dropout", round_idx, local)
+        self.compile.for_training()
+        out, buffers = run_clients(
+            self._client_fn, (self.global_params(), self.server_state),
+            (batches, states, self.records(local), self.starting_buffers(local)),
+            local.numel(), self.batching, self.client_chunk_size, seeds,
+            label=f"{type(self.algorithm).__name__}.client_update",
+        )
+        out, buffers = self.ranks.combine((out, buffers), positions, sampled.numel())
+        if "client_update" not in self.validated:  # once: later rounds cost nothing
+            validate_client_output(self.algorithm, out, self.global_params(), self.client_states.tensors,
+                                   sampled.numel(), strict_dtypes=not torch.is_autocast_enabled(self.device.type))
+            self.validated.add("client_update")
+        result = RoundResult(round_idx, sampled, out, self.federation.weights(sampled, self.device), steps, buffers)
+        self._last = result
+        return result
+
+    def combine(self, result: RoundResult, clip: float = math.inf) -> Uploads | None:
+        """Phase 4: the server pipeline on the round's uploads (``None``: a stage skipped the round)."""
+        ctx = ServerContext(
+            algorithm=self.algorithm, params=self.global_params(), server_state=self.server_state,
+            records=self.records(result.clients), seed=self.seed, round_idx=result.round_idx,
+            byzantine=self.federation.is_byzantine(result.clients), steps=result.steps,
+            cohort=self.federation.num_sampled, clip=clip,
+            assumed_byzantine=self.reliability.assumed_byzantine(self.federation.num_sampled),
+        )
+        uploads = self.pipeline.run(Uploads(result.output, result.weights), ctx)
+        if uploads is not None and "aggregate" not in self.validated:  # once: later rounds cost nothing
+            assert uploads.update is not None
+            validate_aggregate_output(self.algorithm, (uploads.update.delta, uploads.update.server_state),
+                                      ctx.params, self.server_state,
+                                      strict_dtypes=not torch.is_autocast_enabled(self.device.type))
+            self.validated.add("aggregate")
+        return uploads
+
+    def commit(self, result: RoundResult, server_state: dict[str, Any]) -> None:
+        """Phase 6 (after the server step): the clients' new state, the server state, BN statistics, ``seen``."""
+        assert self.model is not None
+        self.client_states.scatter(result.clients, result.output.state)
+        self.server_state = server_state
+        if result.buffers:
+            self.running.commit(result.clients, result.buffers, result.weights, self.model)
+        self.federation.mark_seen(result.clients)
+
+    def commit_output(self, clients: Tensor, output: ClientOutput, server_state: dict[str, Any]) -> None:
+        """:meth:`commit` for the ``(clients, output)`` of the last :meth:`compute` (its BN statistics included
+        when it is that round's)."""
+        last = self._last
+        same = last is not None and last.output is output and torch.equal(last.clients, clients)
+        buffers = last.buffers if same and last is not None else {}
+        weights = last.weights if same and last is not None else self.federation.weights(clients, self.device)
+        self.commit(RoundResult(-1, clients, output, weights, torch.zeros(0), buffers), server_state)
+        self._last = None
+
+    def run_round(self, round_idx: int, optimizer: Any, *, clip: Tensor | None = None,
+                  rounds_left: int | None = None, broadcast: Callable[[bool], bool] | None = None) -> RoundReport:
+        """The whole round: compute → combine → step → commit. ``clip`` is the DP clipping norm (a tensor the
+        adaptive rule updates in place); ``rounds_left`` and ``broadcast`` serve ``compile_clients="auto"``."""
+        assert self.model is not None and self.data is not None
+        deciding = self.compile.deciding(self.batching)
+        started = time.perf_counter()
+        result = self.compute(round_idx)
+        if result is None:
+            return self._skip(round_idx, optimizer, "no sampled client answered (client_dropout)")
+        if deciding:
+            self.compile.observe(rounds_left, time.perf_counter() - started, broadcast)
+        check_outputs_finite(result, self.data.client_names, self.algorithm)
+        uploads = self.combine(result, math.inf if clip is None else float(clip))
+        if uploads is None:
+            rule, f = self.reliability.aggregator, self.reliability.assumed_byzantine(self.federation.num_sampled)
+            return self._skip(round_idx, optimizer, f"only {result.clients.numel()} clients answered, too few for "
+                              f"model.aggregator {rule.name!r} with f={f}")
+        assert uploads.update is not None
+        check_update_finite(round_idx, uploads.update.delta)
+        apply_server_step(optimizer, self.model, uploads.update.delta)
+        self.commit(result, uploads.update.server_state)
+        if clip is not None and uploads.privacy is not None and uploads.privacy.next_clip is not None:
+            clip.fill_(uploads.privacy.next_clip)  # adaptive clipping: C for the next round
+        return RoundReport(round_idx, result.clients, weighted_mean_metrics(result.output.metrics, result.weights),
+                           uploads.privacy)
+
+    def _skip(self, round_idx: int, optimizer: Any, reason: str) -> RoundReport:
+        """A round that changes nothing (no client marked as trained); the optimizer still steps (no gradients)."""
+        assert self.model is not None
+        rank_zero_info(f"[lightning_fedmeta] round {round_idx}: {reason}; the model is unchanged")
+        skip_server_step(optimizer, self.model)
+        return RoundReport(round_idx, torch.zeros(0, dtype=torch.long), skipped=reason)
+
+    # ------------------------------------------------------------------------------------------
+    # one client's personalised model
+    # ------------------------------------------------------------------------------------------
+    def personal_inputs(self, client: int, round_idx: int) -> tuple[Batch, dict[str, Tensor], ClientRecord,
+                                                                    dict[str, Tensor]]:
+        """A federation client's adaptation batches, state, record and BN statistics (unstacked), as the
+        evaluation at ``round_idx`` uses them."""
+        clients = torch.tensor([client])
+        adapt = self.gatherer.batches("adapt", round_idx, clients, self.algorithm.eval_plan())
+        states = self.client_states.gather(clients)
+        record = self.records(clients)
+        buffers = {k: v[0] for k, v in self.starting_buffers(clients).items()}
+        return (Batch(adapt.x[0], adapt.y[0], adapt.mask[0]), map_state(lambda v: v[0], states),
+                ClientRecord(*(t[0] for t in record)), buffers)
+
+    # ------------------------------------------------------------------------------------------
+    # state
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self, round_idx: int) -> dict[str, Any]:
+        """Client state (a disk store writes the rows changed since its last checkpoint as a segment and returns a
+        manifest), BN statistics, server state, ``seen`` and the compile decision."""
+        return {
+            "client_state": self.client_states.checkpoint_state(round_idx),
+            "client_buffers": self.running.store.state_dict(),
+            "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
+            **self.federation.state_dict(),
+            **self.compile.state_dict(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.client_states = restore_client_store(saved["client_state"], self.store, self.client_states)
+        self.running.store.load_state_dict(saved.get("client_buffers") or {})
+        self.server_state = unflatten_state({k: v.clone() for k, v in saved["server_state"].items()})
+        if saved.get("seen") is None:  # a checkpoint from before client records: who trained is not known
+            rank_zero_warn(
+                "this checkpoint predates client records (no 'seen' flags): every client is treated as not "
+                "trained yet, so personal models are read as the global model until a client trains again"
+            )
+        self.federation.load_state_dict(saved)
+        self.compile.load_state_dict(saved)
+        if self.data is not None:
+            self.gatherer.reset()

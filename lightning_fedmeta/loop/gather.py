@@ -1,0 +1,123 @@
+"""Gathering: the mini-batches a round's clients draw and the clients' padded test sets.
+
+For client ``c`` with training rows ``[o_c, o_{c+1})`` the batch indices of a call are
+``draw_batch_indices(seed, tag, r, c, ...)``, a pure function of ``(seed, tag, round, client)``
+(:mod:`lightning_fedmeta.sampling`); the rows are copied into ``[C, steps, per_step, B, ...]`` tensors with a
+mask of the real samples. Test sets are padded to the widest client, masked, and cached while they fit in
+:data:`TEST_CACHE_BYTES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
+from lightning_fedmeta.functional import Batch
+from lightning_fedmeta.sampling import draw_batch_indices
+
+__all__ = ["BatchGatherer", "TEST_CACHE_BYTES", "new_client_batches", "rows"]
+
+#: the padded test sets of one evaluation are kept for the next one up to this size (bytes)
+TEST_CACHE_BYTES = 512 * 2**20
+
+
+def rows(t: Tensor, index: Tensor, out: Tensor | None = None) -> Tensor:
+    """``t[index]`` for an integer ``index`` of any shape, by ``index_select`` on the flattened index: the same
+    values as advanced indexing, copied row by row (2–3× faster for image rows than ``aten::index``), into
+    ``out`` (``[index.numel(), *t.shape[1:]]``) when given."""
+    flat_index = index.reshape(-1).to(t.device)
+    flat = t.index_select(0, flat_index) if out is None else torch.index_select(t, 0, flat_index, out=out)
+    return flat.view(*index.shape, *t.shape[1:])
+
+
+class BatchGatherer:
+    """Draws and copies the clients' batches for one federation's data.
+
+    The samples are copied into buffers kept for the next call of the same shape: a fresh tensor of tens of MB
+    costs more in page faults than the copy itself (Per-FedAvg HF on W: 20 ms against 4 ms). The batches live for
+    one call (client functions are pure: they return new tensors, never views of their batches)."""
+
+    def __init__(self, data: FederatedData, seed: int, device: torch.device) -> None:
+        self.data = data
+        self.seed = seed
+        self.device = device
+        self.train_width = int(data.train_counts.max())
+        self.test_width = int(data.test_counts.max())
+        self.buffers: dict[str, Tensor] = {}
+        self.test_cache: dict[Any, Batch] | None = None
+
+    def place(self, data: FederatedData, device: torch.device) -> None:
+        """Use ``data`` (moved to ``device``); the kept buffers and test sets are dropped."""
+        self.data, self.device = data, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.buffers = {}
+        self.test_cache = None
+
+    def batches(self, tag: str, round_idx: int, clients: Tensor, plan: Any) -> Batch:
+        """Every mini-batch the clients draw in this call, ``[C, steps, per_step, B, ...]``."""
+        idx, mask = draw_batch_indices(
+            self.seed, tag, round_idx, clients, self.data.train_offsets.cpu(), plan, self.train_width
+        )
+        x = rows(self.data.train_x, idx, self._buffer("x", idx, self.data.train_x))
+        y = rows(self.data.train_y, idx, self._buffer("y", idx, self.data.train_y))
+        return Batch(x, y, mask.to(self.device))
+
+    def _buffer(self, name: str, index: Tensor, source: Tensor) -> Tensor:
+        """The reusable destination of gathering ``source[index]``: one buffer per tensor name, replaced when the
+        shape changes (training and evaluation batches never hold two at once). A buffer made under inference
+        mode (an evaluation) is not reused outside it."""
+        shape = (index.numel(), *source.shape[1:])
+        buffer = self.buffers.get(name)
+        if (buffer is None or buffer.shape != shape or buffer.dtype != source.dtype or buffer.device != source.device
+                or (buffer.is_inference() and not torch.is_inference_mode_enabled())):
+            self.buffers.pop(name, None)  # freed before the new one is allocated
+            buffer = self.buffers[name] = torch.empty(shape, dtype=source.dtype, device=source.device)
+        return buffer
+
+    def test_batches(self, clients: Tensor) -> Batch:
+        """The listed clients' padded test sets ``[C, width, ...]``. They never change, so gathers are kept, one
+        per chunk of clients, while they add up to at most :data:`TEST_CACHE_BYTES`, and an evaluation of the
+        same chunks does not copy them again."""
+        key = (self.device, tuple(clients.tolist()))
+        cache: dict[Any, Batch] = self.test_cache if self.test_cache is not None else {}
+        self.test_cache = cache
+        if key in cache:
+            return cache[key]
+        offsets = self.data.test_offsets.cpu()
+        counts = offsets[clients + 1] - offsets[clients]  # O(C), not O(K): one chunk of a streamed evaluation
+        pos = torch.arange(self.test_width)
+        mask = (pos.unsqueeze(0) < counts.unsqueeze(1)).to(torch.float32)
+        idx = (offsets[clients].unsqueeze(1) + pos.unsqueeze(0)) * mask.long()
+        batch = Batch(rows(self.data.test_x, idx), rows(self.data.test_y, idx), mask.to(self.device))
+        size = sum(t.numel() * t.element_size() for t in batch)
+        held = sum(t.numel() * t.element_size() for b in cache.values() for t in b)
+        if held + size <= TEST_CACHE_BYTES:
+            cache[key] = batch
+        return batch
+
+
+def new_client_batches(seed: int, data: tuple[Tensor, Tensor], round_idx: int, plan: Any,
+                       device: torch.device) -> tuple[Batch, ClientRecord]:
+    """Evaluation-time adaptation batches and a record (index −1, new, never trained, weight 0) for a client
+    known only by its data ``(x, y)``; the draws use tag ``"adapt-new"``."""
+    x = _as_inputs(data[0]).to(device)
+    y = _as_targets(data[1]).to(device)
+    if y.dim() == 0 or y.shape[0] == 0 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"a new client's data needs as many targets as inputs (> 0), got {x.shape[0]} and "
+            f"{y.shape[0] if y.dim() else 0}"
+        )
+    idx, mask = draw_batch_indices(seed, "adapt-new", round_idx, torch.tensor([0]), torch.tensor([0, y.shape[0]]),
+                                   plan, y.shape[0])
+    idx = idx[0].to(device)
+    record = ClientRecord(
+        index=torch.tensor([-1]), weight=torch.zeros(1, dtype=torch.float64), is_new=torch.tensor([True]),
+        seen=torch.tensor([False]), num_samples=torch.tensor([y.shape[0]]),
+    )
+    return Batch(x[idx], y[idx], mask[0].to(device)), record

@@ -1,0 +1,190 @@
+"""The module's options checked before any data is seen, the algorithm built from its spec, and the model,
+loss and metrics checked against the data before round 1 (docs/design.md, contract 8)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_fedmeta.algorithms.base import Algorithm
+from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.losses import LOSSES, PerSampleLoss
+from lightning_fedmeta.metrics import BUILTIN_METRICS, MetricSpec
+from lightning_fedmeta.models import default_model
+from lightning_fedmeta.registry import create_algorithm
+
+__all__ = [
+    "FederatedSetupError", "build_algorithm", "check_model_outputs", "check_options", "check_server_optimizer",
+    "default_model_for",
+    "resolve_loss_option", "unsaved_arguments",
+]
+
+
+class FederatedSetupError(ValueError):
+    """The module's options do not fit the data it is set up with (found in ``setup``, before round 1): e.g.
+    more clients per round than training clients, a ``local_steps_dist`` list of the wrong length, a robust
+    aggregator the round's size cannot support. The ``fedmeta`` command prints the message alone (status 2)."""
+
+
+def build_algorithm(spec: str | dict[str, Any] | Algorithm) -> Algorithm:
+    """An :class:`Algorithm` from a registered name, a mapping ``{name: ..., <hyper-parameters>}`` or itself."""
+    if isinstance(spec, Algorithm):
+        return spec
+    if isinstance(spec, str):
+        return create_algorithm(spec)
+    if isinstance(spec, dict):
+        args = dict(spec)
+        name = args.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"an algorithm given as a mapping needs a 'name' key, got keys {sorted(spec)}")
+        return create_algorithm(name, **args)
+    raise TypeError(f"algorithm must be a name, a mapping with 'name', or an Algorithm; got {type(spec).__name__}")
+
+
+def default_model_for(spec: dict[str, Any]) -> nn.Module:
+    """The default model of a data spec (``input_shape``, ``num_classes``, ``task``, ``target_shape``)."""
+    task = spec.get("task") or "classification"
+    num_classes = spec.get("num_classes")
+    if task == "classification":
+        return default_model(tuple(spec["input_shape"]), int(num_classes))  # type: ignore[arg-type]
+    return default_model(
+        tuple(spec["input_shape"]), num_classes, task=task, target_shape=tuple(spec.get("target_shape") or ()),
+    )
+
+
+def _import_callable(path: str) -> Callable[..., Any]:
+    """The object at import path ``package.module.name`` (for ``loss`` given as a dotted string)."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"loss {path!r} is neither a built-in loss ({sorted(LOSSES)}) nor an importable "
+                         f"callable: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"loss {path!r} is not callable")
+    return obj
+
+
+def resolve_loss_option(loss: Any) -> Any:
+    """``loss`` as given, with an import path replaced by the callable it names (a built-in name stays a name)."""
+    if isinstance(loss, str) and loss not in LOSSES and "." not in loss:
+        raise ValueError(
+            f"unknown loss {loss!r}; choose one of {sorted(LOSSES)}, an import path (package.module.function), "
+            "a torch.nn loss module or a callable"
+        )
+    if isinstance(loss, str) and loss not in LOSSES:
+        return _import_callable(loss)
+    return loss
+
+
+def check_options(*, clients_per_round: int | None, fraction: float | None, aggregation: str, server_lr: float,
+                  factories: Mapping[str, Any], client_batching: str, client_chunk_size: int | None,
+                  client_state: str, client_state_dir: Any) -> int | None:
+    """Refuse impossible module options; returns ``clients_per_round`` (10 when neither it nor ``fraction``)."""
+    if fraction is not None and clients_per_round is not None:
+        raise ValueError(f"give clients_per_round or fraction, not both (got clients_per_round={clients_per_round!r}, "
+                         f"fraction={fraction!r})")
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    else:
+        clients_per_round = 10 if clients_per_round is None else clients_per_round
+        if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int) or clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be an integer >= 1 (or set fraction), got {clients_per_round!r}")
+    if aggregation not in ("samples", "uniform"):
+        raise ValueError(f"aggregation must be 'samples' or 'uniform', got {aggregation!r}")
+    if not server_lr >= 0 or server_lr == math.inf:
+        raise ValueError(f"server_lr must be a finite number >= 0, got {server_lr!r}")
+    for label, factory in factories.items():
+        if factory is not None and not callable(factory):
+            raise ValueError(f"{label} must be a callable (a torch.optim factory), got {factory!r}")
+    if client_batching not in ("auto", "vmap", "loop"):
+        raise ValueError(f"client_batching must be 'auto', 'vmap' or 'loop', got {client_batching!r}")
+    if client_chunk_size is not None and client_chunk_size < 1:
+        raise ValueError(f"client_chunk_size must be >= 1, got {client_chunk_size!r}")
+    if client_state not in ("auto", "memory", "disk"):
+        raise ValueError(f"model.client_state must be 'auto', 'memory' or 'disk', got {client_state!r}")
+    if client_state_dir is not None and not isinstance(client_state_dir, str | os.PathLike):
+        raise ValueError(f"model.client_state_dir must be a folder path, got {client_state_dir!r}")
+    return clients_per_round
+
+
+def check_server_optimizer(algorithm: Algorithm, server_lr: float, server_optimizer: Any, scheduler: Any) -> None:
+    """Refuse a server optimizer, scheduler or ``server_lr != 1`` for an algorithm whose server step is exact."""
+    if type(algorithm).server_optimizer_applies or (server_optimizer is None and server_lr == 1.0
+                                                     and scheduler is None):
+        return
+    name = type(algorithm).name or type(algorithm).__name__
+    raise ValueError(
+        f"{name} updates its models outside the server optimizer (its server step is exact, e.g. a cluster or mean "
+        "update), so a server_optimizer, a server_lr_scheduler or a server_lr other than 1 would silently do "
+        f"nothing to them; remove them for {name} (got server_lr={server_lr!r}, "
+        f"server_optimizer={'set' if server_optimizer is not None else None}, "
+        f"server_lr_scheduler={'set' if scheduler is not None else None})"
+    )
+
+
+def unsaved_arguments(algorithm: Any, loss: Any, metrics: Mapping[str, Any] | None) -> list[str]:
+    """The arguments left out of the checkpoint's hyper-parameters: only plain values go there, so the file loads
+    with ``torch.load(weights_only=True)``. A custom model is passed again to ``load_from_checkpoint(path,
+    model=...)``; ``model=None`` is rebuilt from the checkpoint's data spec."""
+    ignore = ["model", "server_optimizer", "server_lr_scheduler"]
+    ignore += ["algorithm"] if isinstance(algorithm, Algorithm) else []
+    ignore += ["loss"] if loss is not None and not isinstance(loss, str) else []
+    ignore += ["metrics"] if metrics is not None and not all(isinstance(v, str) for v in metrics.values()) else []
+    return ignore
+
+
+def _model_output(model: nn.Module, x: Tensor) -> Tensor:
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            return model(x)
+    except Exception as exc:  # noqa: BLE001 - reported with the shapes
+        raise ValueError(f"the model cannot take this data's inputs: a batch of shape {tuple(x.shape)} ({x.dtype}) "
+                         f"raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        model.train(was_training)
+
+
+def check_model_outputs(model: nn.Module, data: FederatedData, loss: PerSampleLoss, loss_label: str,
+                        specs: Mapping[str, MetricSpec]) -> None:
+    """The model must take the data's inputs, and the loss and built-in metrics its outputs with the data's
+    targets, giving one finite value per sample (checked once, on 2 samples, before training)."""
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    x, y = data.train_x[:2].to(device), data.train_y[:2].to(device)
+    out = _model_output(model, x)
+    shape = tuple(getattr(out, "shape", ()))
+    if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != x.shape[0]:
+        raise ValueError(f"the model's output must be a tensor with one row per sample; got {type(out).__name__} of "
+                         f"shape {shape} for a batch of {x.shape[0]}")
+    if data.task == "classification" and (out.dim() != 2 or out.shape[-1] != data.num_classes):
+        raise ValueError(f"the model's output has shape {shape} for a batch of {x.shape[0]}, but the data has "
+                         f"{data.num_classes} classes: its last layer must output {data.num_classes} logits per sample")
+    try:
+        with torch.no_grad():
+            values = loss(out, y)
+    except Exception as exc:  # noqa: BLE001 - reported with the shapes
+        raise ValueError(f"the loss {loss_label!r} cannot take the model's outputs {shape} with the data's "
+                         f"{data.task} targets {tuple(y.shape)} ({y.dtype}): {type(exc).__name__}: {exc}") from exc
+    if not isinstance(values, Tensor) or tuple(values.shape) != (x.shape[0],):
+        raise ValueError(f"the loss {loss_label!r} must give one value per sample (shape [{x.shape[0]}]), got "
+                         f"{tuple(getattr(values, 'shape', ()))}; a torch.nn loss needs reduction='none'")
+    for key, spec in specs.items():
+        if not isinstance(spec, str):
+            continue
+        try:
+            v = BUILTIN_METRICS[spec].per_sample(out, y)
+        except Exception as exc:  # noqa: BLE001 - reported with the shapes
+            raise ValueError(f"metric {key!r} cannot take the model's outputs {shape} with targets {tuple(y.shape)} "
+                             f"({y.dtype}): {type(exc).__name__}: {exc}") from exc
+        if tuple(v.shape) != (x.shape[0],):
+            raise ValueError(f"metric {key!r} gives shape {tuple(v.shape)} for {x.shape[0]} samples")
