@@ -123,9 +123,9 @@ def trainer(device: str, rounds: int, precision: str = "32-true", validate: bool
 
 def fit(device: str, model: nn.Module, algorithm: dict[str, Any], dm: FederatedDataModule, rounds: int,
         clients_per_round: int, batching: str, precision: str = "32-true", validate: bool = True,
-        ) -> tuple[FederatedModule, L.Trainer, RoundTimer]:
+        **options: Any) -> tuple[FederatedModule, L.Trainer, RoundTimer]:
     module = FederatedModule(model=model, algorithm=dict(algorithm), clients_per_round=clients_per_round,
-                             client_batching=batching, compile_clients=False, seed=0)
+                             client_batching=batching, compile_clients=False, seed=0, **options)
     timer = RoundTimer()
     t = trainer(device, rounds, precision, validate, [timer])
     t.fit(module, dm)
@@ -185,6 +185,47 @@ def check_equivalence(device: str, rounds: int, num_clients: int, per_round: int
             row["flag"] = True
         row["seconds"] = round(time.perf_counter() - t0, 2)
         print(f"[equivalence] {label}: {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
+        rows.append(row)
+    return rows
+
+
+#: the round engine's server stages, each run on the device and on the CPU (same seed: the DP noise and the
+#: attacks are drawn on the CPU, so the two runs differ only by floating-point rounding)
+STAGES: list[tuple[str, dict[str, Any]]] = [
+    ("dp_adaptive", {"aggregation": "uniform", "dp": {"clip": 0.5, "noise_multiplier": 0.3, "adaptive_clip": True}}),
+    ("median_sign_flip", {"aggregator": "median", "byzantine": {"fraction": 0.2, "attack": "sign_flip"}}),
+    ("dropout_stragglers", {"client_dropout": 0.3, "over_selection": 0.5,
+                            "local_steps_dist": {"distribution": "uniform", "low": 1, "high": 5}}),
+]
+
+
+def check_server_stages(device: str, rounds: int, num_clients: int, per_round: int) -> list[dict[str, Any]]:
+    """FedAvg through each reliability stage on ``device`` against the same run on the CPU."""
+    rows = []
+    spec = {"name": "fedavg", "local_lr": 0.05, "local_steps": 5, "batch_size": 20}
+    for label, options in STAGES:
+        row: dict[str, Any] = {"stage": label, "options": options, "rounds": rounds}
+        t0 = time.perf_counter()
+        try:
+            runs = {}
+            for where in dict.fromkeys([device, "cpu"]):
+                L.seed_everything(0, verbose=False)
+                module, t, _ = fit(where, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds, per_round,
+                                   "vmap", **options)
+                assert module.model is not None
+                runs[where] = ({k: v.detach().cpu().clone() for k, v in module.model.named_parameters()},
+                               val_summary(t), {k: float(v) for k, v in t.callback_metrics.items()
+                                                if k.startswith("dp/")})
+            row["params"] = diff(runs[device][0], runs["cpu"][0])
+            row["val"] = diff(runs[device][1], runs["cpu"][1])
+            row["dp"] = runs[device][2]
+            row["flag"] = row["params"]["rel"] > 1e-4 or not all(
+                bool(torch.isfinite(v).all()) for v in runs[device][0].values())
+        except Exception as exc:  # noqa: BLE001 - recorded, the other checks go on
+            row.update(error(exc))
+            row["flag"] = True
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        print(f"[stages] {label}: {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
         rows.append(row)
     return rows
 
@@ -333,6 +374,18 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {r['device']} | {r['clients_per_round']} | {r['batching']} | {r['ms_per_round']:.1f} | "
                          f"{r['first_round_s']:.2f} | {r['timed_rounds']} |")
         lines.append("")
+    if "stages" in res:
+        lines += [f"## 4. The engine's server stages on {res['device']} vs the CPU (FedAvg, vmap, same seed; "
+                  "flag: params relative difference > 1e-4)", "",
+                  "| stage | params max abs | params rel | val max abs | dp/clip | flag |", "|---|---|---|---|---|---|"]
+        for r in res["stages"]:
+            if "error" in r:
+                lines.append(f"| {r['stage']} | ERROR: {r['error'][:150]} | | | | FLAG |")
+                continue
+            lines.append(f"| {r['stage']} | {r['params']['max_abs']:.2e} | {r['params']['rel']:.2e} | "
+                         f"{r['val']['max_abs']:.2e} | {fmt(r['dp'].get('dp/clip'), '.4f')} | "
+                         f"{'FLAG' if r['flag'] else 'ok'} |")
+        lines.append("")
     failures = list(res.get("failures", []))
     lines += ["## Flags", ""] + ([f"- {f}" for f in failures] or ["- none"]) + [""]
     return "\n".join(lines)
@@ -347,6 +400,9 @@ def collect_failures(res: dict[str, Any]) -> list[str]:
             out.append(f"equivalence {r['algorithm']}: params rel {r['params']['rel']:.2e}, "
                        f"val rel {r['val']['rel']:.2e}, finite {r['params_finite']}, "
                        f"missing val keys {r['val']['missing']}")
+    for r in res.get("stages", []):
+        if r["flag"]:
+            out.append(f"stage {r['stage']}: " + (r.get("error") or f"params rel {r['params']['rel']:.2e}"))
     b = res.get("bf16")
     if b and b["flag"]:
         errs = [f"{p}: {b[p]['error']}" for p in ("32-true", "bf16-mixed") if "error" in b.get(p, {})]
@@ -387,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
 
     q = args.quick
     res["equivalence"] = check_equivalence(args.device, rounds=3, num_clients=10 if q else 20, per_round=5 if q else 10)
+    save()
+    res["stages"] = check_server_stages(args.device, rounds=4 if q else 6, num_clients=10 if q else 20,
+                                        per_round=5 if q else 10)
     save()
     res["bf16"] = check_bf16(args.device, rounds=5 if q else 30, num_clients=10 if q else 30, per_round=5 if q else 10)
     save()
