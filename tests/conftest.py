@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 
 import lightning as L
 import pytest
@@ -32,3 +33,15 @@ def trainer_factory() -> Callable[..., L.Trainer]:
 @pytest.fixture
 def tiny() -> FederatedData:
     return tiny_data()
+
+
+@pytest.fixture(autouse=True)
+def _lightning_log_levels() -> Iterator[None]:
+    """Put Lightning's logger levels back after every test. A test that quiets them (test_fingerprint sets
+    ``lightning.pytorch`` to WARNING) must not hide Lightning's INFO messages (``rank_zero_info``) from a later
+    test's ``caplog``: test_participation's empty-round message was lost that way whenever it ran after it."""
+    loggers = [logging.getLogger(name) for name in ("lightning", "lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    yield
+    for lg, level in zip(loggers, levels, strict=True):
+        lg.setLevel(level)
