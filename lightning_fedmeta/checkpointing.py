@@ -57,6 +57,7 @@ __all__ = [
     "EVALUATION_ONLY_SETTINGS",
     "NOT_CHECKSUMMED",
     "REPORTED_TRAINER_SETTINGS",
+    "RUN_RECORD_KEYS",
     "VERIFIED_MARK",
     "AtomicCheckpointIO",
     "CheckpointDamagedError",
@@ -73,6 +74,7 @@ __all__ = [
     "describe_server_optimizer",
     "diagnose_file",
     "fedmeta_run_record",
+    "incomplete_record_message",
     "install_atomic_checkpoint_io",
     "load_checkpoint_file",
     "load_module_checkpoint",
@@ -120,6 +122,12 @@ EVALUATION_ONLY_SETTINGS: dict[str, str] = {
 }
 #: trainer settings recorded in ``checkpoint["fedmeta"]["trainer"]``: a resumed run uses its own and says so
 REPORTED_TRAINER_SETTINGS: tuple[str, ...] = ("max_steps", "precision", "accelerator", "world_size")
+
+#: the run record :func:`fedmeta_run_record` writes into ``checkpoint["fedmeta"]`` for the resume checks. Every
+#: checkpoint with a checksum has all of them (the two came in the same release): one that lacks any is refused by
+#: :func:`check_resume_settings`, naming it (without ``server_optimizer`` another optimizer would go unnoticed and
+#: fail late in Lightning's optimizer restore, or run with the checkpoint's learning rate)
+RUN_RECORD_KEYS: tuple[str, ...] = ("algorithm", "datamodule_class", "server_optimizer", "trainer")
 
 #: module arguments compared by other means than their hyper-parameter value
 _COMPARED_ELSEWHERE = {
@@ -681,6 +689,18 @@ def settings_message(path: Any, refused: list[SettingDifference], evaluating: bo
     )
 
 
+def incomplete_record_message(path: Any, missing: list[str]) -> str:
+    """The refusal of a checksummed checkpoint whose run record lacks the entries ``missing``."""
+    where = f"checkpoint {os.fspath(path)}" if isinstance(path, str | os.PathLike) else "this checkpoint"
+    names = ", ".join(repr(k) for k in missing)
+    return (
+        f"{where} has no record of {names} in checkpoint['fedmeta'] (every checkpoint FederatedModule writes with a "
+        f"checksum records {', '.join(repr(k) for k in RUN_RECORD_KEYS)}): the settings it was written with "
+        "cannot be compared with this run's, so it is not used. Resume from a checkpoint FederatedModule wrote, or "
+        "start a new run without it"
+    )
+
+
 def run_settings(trainer: Any) -> dict[str, Any]:
     """The trainer settings recorded in a checkpoint (:data:`REPORTED_TRAINER_SETTINGS`)."""
     if trainer is None:
@@ -712,7 +732,9 @@ def check_resume_settings(module: Any, checkpoint: Mapping[str, Any], path: Any 
     changeable settings and, when fitting, the trainer's :data:`REPORTED_TRAINER_SETTINGS`).
 
     Raises:
-        CheckpointSettingsError: naming every setting that differs, checkpoint value against given value.
+        CheckpointSettingsError: naming every setting that differs, checkpoint value against given value; or
+            naming every entry of :data:`RUN_RECORD_KEYS` a checkpoint with a checksum lacks (its settings could
+            not be compared). A checkpoint without a checksum predates the record: what it has is compared.
     """
     trainer = getattr(module, "_trainer", None)
     fitting = trainer is not None and getattr(trainer.state, "fn", None) == "fit"
@@ -720,6 +742,9 @@ def check_resume_settings(module: Any, checkpoint: Mapping[str, Any], path: Any 
     if not fitting:
         model_allowed.update(EVALUATION_ONLY_SETTINGS)
     saved = checkpoint.get("fedmeta") or {}
+    missing = [key for key in RUN_RECORD_KEYS if key not in saved] if CHECKSUM_KEY in checkpoint else []
+    if missing:
+        raise CheckpointSettingsError(incomplete_record_message(path, missing))
     saved_hp = dict(checkpoint.get("hyper_parameters") or {})
     diffs = compare_settings(
         "model", saved_hp, dict(module.hparams), model_allowed, signature_defaults(type(module)), _COMPARED_ELSEWHERE
@@ -809,8 +834,8 @@ def _compare_optimizers(saved: Mapping[str, Any], given: Mapping[str, Any]) -> l
 
 
 def fedmeta_run_record(module: Any) -> dict[str, Any]:
-    """What ``on_save_checkpoint`` adds to ``checkpoint["fedmeta"]`` for these checks: the algorithm's
-    description, the datamodule's class, the server optimizer's description and the trainer settings."""
+    """What ``on_save_checkpoint`` adds to ``checkpoint["fedmeta"]`` for these checks (:data:`RUN_RECORD_KEYS`): the
+    algorithm's description, the datamodule's class, the server optimizer's description and the trainer settings."""
     trainer = getattr(module, "_trainer", None)
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     optimizer = None

@@ -15,7 +15,21 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data import FederatedData
 from tests.helpers import make_trainer, tiny_data
 
-__all__ = ["run_plain_rounds"]
+__all__ = ["SPAWNS_TIMEOUT_S", "run_plain_rounds"]
+
+#: pytest-timeout's limit for a test marked ``spawns`` that sets none of its own (every other test: ``timeout`` in
+#: pyproject.toml, 300 s). Longer than the timeouts of the processes such a test waits for (up to 240 s), so a stuck
+#: process is reported by the test's own message first.
+SPAWNS_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every ``spawns`` test without a ``timeout`` marker of its own the limit :data:`SPAWNS_TIMEOUT_S`."""
+    if not config.pluginmanager.hasplugin("timeout"):  # pytest-timeout not installed: no limits at all
+        return
+    for item in items:
+        if item.get_closest_marker("spawns") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SPAWNS_TIMEOUT_S))
 
 
 def run_plain_rounds(module: FederatedModule, rounds: int, first: int = 0) -> list[Tensor]:

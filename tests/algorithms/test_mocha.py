@@ -138,6 +138,33 @@ def test_mocha_squared_gap_vanishes_and_matches_closed_form_for_fixed_omega() ->
     np.testing.assert_allclose(learned_w(module), expected, atol=1e-4)
 
 
+def test_mocha_one_sdca_step_from_zero_is_the_closed_form() -> None:
+    """One round of one SDCA step per client, squared loss, Σ fixed, from α = 0 (so W = 0). Client t's
+    subproblem in its one coordinate i is  max_Δ −ℓ*(−Δ) − w_tᵀx Δ − (σ' M_tt / 4) ‖x‖² Δ²  with
+    ℓ*(−a) = ½a² − a y and w_t = 0, so  Δ = y / (1 + q),  q = ½ σ' M_tt ‖x‖²,  ‖x‖² counting the constant
+    feature 1 of the bias: |α_i| = 1 / (1 + ½ σ' M_tt (‖x_i‖² + 1)), with the sign of y_i, for both mirrored
+    classes; every other α is 0. M = (λ₁ Σ⁻¹ + λ₂ I)⁻¹ and σ' = max_t Σ_s |M_ts| / M_tt are recomputed here
+    (a dense Σ: σ' > 1 and M_tt ≠ M_ss, so neither factor can be dropped unnoticed)."""
+    sigma, lambda1, lambda2 = fixed_sigma(), 0.7, 0.3
+    module = run_mocha(Mocha(loss="squared", lambda1=lambda1, lambda2=lambda2, local_iters=1, omega_every=0), 1, sigma)
+    m = torch.linalg.inv(lambda1 * torch.linalg.inv(sigma) + lambda2 * torch.eye(K, dtype=torch.float64))
+    sigma_prime = (m.abs().sum(1) / m.diagonal()).max()
+    assert sigma_prime > 1.05 and m.diagonal().std() > 0.01 * m.diagonal().mean()
+    torch.testing.assert_close(module.server_state["M"].double(), m, rtol=1e-6, atol=0)
+    torch.testing.assert_close(module.server_state["sigma_prime"].double(), sigma_prime, rtol=1e-6, atol=0)
+    alpha = module.client_states.tensors["alpha"]  # [K, largest client, 2]
+    data = module.data
+    assert data is not None
+    for t in range(K):
+        x, y = data.client_train(t)
+        moved = alpha[t].abs().sum(1).nonzero().flatten()
+        assert moved.numel() == 1, f"client {t}: one SDCA step moves one coordinate, moved {moved.tolist()}"
+        i = int(moved)
+        q = 0.5 * sigma_prime * m[t, t] * (x[i].double().pow(2).sum() + 1.0)
+        y_pm = torch.tensor([-1.0, 1.0], dtype=torch.float64) * (1.0 if int(y[i]) == 1 else -1.0)  # class 0, 1
+        torch.testing.assert_close(alpha[t, i].double(), y_pm / (1.0 + q), rtol=1e-6, atol=0)
+
+
 def test_mocha_hinge_gap_vanishes_and_matches_svm_qp_for_fixed_omega() -> None:
     sigma = fixed_sigma()
     alg = Mocha(loss="hinge", lambda1=1.0, lambda2=0.1, local_iters=60, omega_every=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,11 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.checkpointing import (
     CHANGEABLE_DATA_SETTINGS,
     CHANGEABLE_MODEL_SETTINGS,
+    CHECKSUM_KEY,
+    RUN_RECORD_KEYS,
     CheckpointSettingsError,
+    CheckpointWithoutChecksumWarning,
+    fedmeta_run_record,
     seal_checkpoint,
 )
 from lightning_fedmeta.cli import FedMetaConfigError, run
@@ -35,6 +40,20 @@ def _module(algorithm: dict[str, Any] = SCAFFOLD, **overrides: Any) -> Federated
     kwargs: dict[str, Any] = {"model": nn.Linear(5, 3), "algorithm": algorithm, "clients_per_round": 3, "seed": 4}
     kwargs.update(overrides)
     return FederatedModule(**kwargs)
+
+
+def _refuse_rounds(module: FederatedModule) -> list[int]:
+    """Replace ``module.training_step`` by a stub that records the call and raises: a check that lets a round run
+    fails the test at once. (A stub returning ``None`` makes Lightning skip the optimizer step, so ``global_step``
+    never reaches ``max_steps`` and the fit runs forever.)"""
+    entered: list[int] = []
+
+    def no_round(*args: Any, **kwargs: Any) -> None:
+        entered.append(1)
+        raise AssertionError("a round ran: the checkpoint should have been refused before any")
+
+    module.training_step = no_round  # type: ignore[method-assign]
+    return entered
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +113,7 @@ def test_resuming_with_another_value_of_an_option_is_refused_unless_it_may_chang
 ) -> None:
     value, needs = OTHER_VALUES[option]
     module = _module(**{"algorithm": FEDAVG, option: value, **needs})
-    entered: list[int] = []
-    module.training_step = lambda *a, **k: entered.append(1)  # type: ignore[method-assign]
+    entered = _refuse_rounds(module)
     trainer = make_trainer(2)  # resumed at round 2 of 2: no round to run
     saved = torch.load(fedavg_ckpt, weights_only=True)["hyper_parameters"]
     if option in CHANGEABLE_MODEL_SETTINGS:
@@ -192,8 +210,7 @@ def test_fit_from_a_checkpoint_with_other_settings_is_refused_before_any_round(
 ) -> None:
     module = _module(**{**MOMENTUM, **module_args})
     trainer = make_trainer(4)
-    entered: list[int] = []
-    module.training_step = lambda *a, **k: entered.append(1)  # type: ignore[method-assign]
+    entered = _refuse_rounds(module)
     with pytest.raises(CheckpointSettingsError) as info:
         trainer.fit(module, datamodule, ckpt_path=str(scaffold_run[0]))
     assert not entered
@@ -201,6 +218,58 @@ def test_fit_from_a_checkpoint_with_other_settings_is_refused_before_any_round(
     assert message.startswith(f"checkpoint {scaffold_run[0]} was written with other settings than this run's")
     listed = [line.strip() for line in message.splitlines() if line.startswith("  ")]
     assert listed == expected
+
+
+def test_a_checkpoint_records_every_entry_of_the_run_record(scaffold_run: tuple[Path, FederatedModule]) -> None:
+    saved = torch.load(scaffold_run[0], weights_only=True)["fedmeta"]
+    assert set(fedmeta_run_record(_module())) == set(RUN_RECORD_KEYS)
+    missing = [key for key in RUN_RECORD_KEYS if key not in saved]
+    assert not missing, f"the checkpoint's run record lacks {missing}"
+    assert saved["server_optimizer"]["class"] == "torch.optim.sgd.SGD"
+    defaults = saved["server_optimizer"]["defaults"]
+    assert defaults["lr"] == 0.8 and defaults["momentum"] == 0.9
+
+
+@pytest.mark.parametrize("key", RUN_RECORD_KEYS)
+def test_a_checkpoint_whose_run_record_lacks_an_entry_is_refused_naming_it(
+    scaffold_run: tuple[Path, FederatedModule], tmp_path: Path, key: str
+) -> None:
+    """Without its ``server_optimizer`` record a checkpoint resumed under another optimizer learning rate ran
+    forever in this test's stubbed fit, and under another optimizer class failed with ``KeyError: 'step'`` in
+    Lightning's optimizer restore: every entry of the record must be there, or the checkpoint is refused, naming
+    the entry, before any round, for fit and for load_from_checkpoint alike."""
+    checkpoint = torch.load(scaffold_run[0], weights_only=True)
+    checkpoint["fedmeta"].pop(key, None)
+    path = tmp_path / f"without-{key}.ckpt"
+    torch.save(seal_checkpoint(checkpoint), path)
+    message = re.escape(f"checkpoint {path} has no record of '{key}' in checkpoint['fedmeta']")
+    for optimizer in (MOMENTUM, {"server_optimizer": lambda p: torch.optim.Adam(p, lr=0.8)}):
+        module = _module(**optimizer)
+        entered = _refuse_rounds(module)
+        with pytest.raises(CheckpointSettingsError, match=message):
+            make_trainer(4).fit(module, tiny_datamodule(eval_every=2), ckpt_path=str(path))
+        assert not entered
+    with pytest.raises(CheckpointSettingsError, match=message):
+        FederatedModule.load_from_checkpoint(path, model=nn.Linear(5, 3))
+
+
+def test_a_checkpoint_without_checksum_predates_the_run_record_and_resumes_without_it(
+    scaffold_run: tuple[Path, FederatedModule], tmp_path: Path
+) -> None:
+    """A checkpoint written before checksums (and the run record, which came with them) has no record to check:
+    it resumes with a warning, as before, and its hyper-parameters are still compared."""
+    checkpoint = torch.load(scaffold_run[0], weights_only=True)
+    for key in RUN_RECORD_KEYS:
+        checkpoint["fedmeta"].pop(key, None)
+    del checkpoint[CHECKSUM_KEY]
+    path = tmp_path / "old.ckpt"
+    torch.save(checkpoint, path)
+    trainer = make_trainer(3)
+    with pytest.warns(CheckpointWithoutChecksumWarning):
+        trainer.fit(_module(**MOMENTUM), tiny_datamodule(eval_every=2), ckpt_path=str(path))
+    assert trainer.global_step == 3
+    with pytest.warns(CheckpointWithoutChecksumWarning), pytest.raises(CheckpointSettingsError, match="model.seed"):
+        make_trainer(3).fit(_module(**MOMENTUM, seed=5), tiny_datamodule(eval_every=2), ckpt_path=str(path))
 
 
 def test_a_federated_datamodule_with_another_setting_is_named(tmp_path: Path) -> None:

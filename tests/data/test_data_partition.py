@@ -76,6 +76,32 @@ def test_dirichlet_small_alpha_is_more_label_skewed_than_large_alpha() -> None:
     assert mean_classes(0.05) < mean_classes(100.0)
 
 
+@pytest.mark.parametrize("alpha", [0.1, 1.0, 10.0])
+def test_dirichlet_class_shares_follow_dir_alpha_ones(alpha: float) -> None:
+    """The shares ``p_c`` of class c over the K clients are drawn from ``Dir(α·1_K)``: for p ~ Dir(α·1_K),
+    ``E[Σ_k p_k²] = K · α(α + 1) / (Kα(Kα + 1)) = (α + 1) / (Kα + 1)``, while ``Dir(α/K·1_K)`` (the concentration
+    spread over the clients, a common slip) gives ``(α/K + 1) / (α + 1)``: 1.7 to 3 times as much for these α.
+    The sample mean over 10 classes × 20 seeds must be within 4 standard errors of the first, plus the
+    rounding of the cuts (each share is ``floor(cumsum(p) n_c) / n_c``, off by less than 1/n_c)."""
+    classes, per_class, k = 10, 1000, 10
+    y = torch.arange(classes).repeat_interleave(per_class)
+    sums = []
+    for seed in range(20):
+        parts = dirichlet(y, k, alpha, seed=seed)
+        counts = torch.stack([torch.bincount(y[p], minlength=classes) for p in parts], dim=1).double()  # [C, K]
+        assert torch.equal(counts.sum(1), torch.full((classes,), float(per_class), dtype=torch.float64))
+        sums.append(((counts / per_class) ** 2).sum(1))
+    values = torch.cat(sums)
+    mean, stderr = values.mean().item(), values.std().item() / values.numel() ** 0.5
+    expected, spread_over_k = (alpha + 1) / (k * alpha + 1), (alpha / k + 1) / (alpha + 1)
+    tolerance = 4 * stderr + 2 / per_class
+    assert abs(spread_over_k - expected) > 4 * tolerance  # the test can tell the two apart
+    assert abs(mean - expected) < tolerance, (
+        f"E[sum_k p_ck^2] = {mean:.4f} ± {stderr:.4f}; Dir(alpha*1) gives {expected:.4f}, "
+        f"Dir(alpha/K*1) gives {spread_over_k:.4f}"
+    )
+
+
 @pytest.mark.parametrize("alpha", [0.0, -1.0])
 def test_dirichlet_rejects_nonpositive_alpha_naming_the_value(alpha: float) -> None:
     with pytest.raises(ValueError, match=f"alpha must be > 0, got {alpha}"):

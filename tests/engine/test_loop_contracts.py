@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedmeta import FederatedModule
+from lightning_fedmeta import BatchPlan, FederatedModule
 from lightning_fedmeta.metrics import ClientMetrics
 from lightning_fedmeta.sampling import draw_batch_indices, sample_clients
 from lightning_fedmeta.state import flatten_state
@@ -96,6 +96,28 @@ def test_sampling_is_a_pure_function_of_seed_and_round() -> None:
             same_clients = torch.equal(rounds[a][0], rounds[b][0])
             assert not (same_clients and torch.equal(rounds[a][1], rounds[b][1])), (a, b)
     assert len({tuple(c.tolist()) for c, _ in rounds}) > 1
+
+
+def test_each_client_and_each_round_draws_its_own_batches() -> None:
+    """The mini-batch seed is ``(seed, tag, round, client)``: with clients of equal sizes (so only the seed can
+    tell them apart), two clients of one round draw different rows of their own data, one client draws
+    different rows in two rounds, and a client's draw does not depend on which other clients share the call."""
+    size, clients = 20, torch.arange(4)
+    offsets = torch.arange(5) * size  # four clients of 20 samples each
+    plan = BatchPlan(steps=3, per_step=2, batch_size=5)
+
+    def local_rows(round_idx: int, which: Tensor = clients) -> Tensor:
+        index, mask = draw_batch_indices(7, "train", round_idx, which, offsets, plan, size)
+        assert index.shape == (which.numel(), 3, 2, 5) and bool(mask.all())
+        return index - offsets[which].view(-1, 1, 1, 1)  # each client's own row numbers, 0..19
+
+    first, second = local_rows(0), local_rows(1)
+    assert bool((first >= 0).all() and (first < size).all())
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not torch.equal(first[a], first[b]), f"clients {a} and {b} drew the same rows in round 0"
+        assert not torch.equal(first[a], second[a]), f"client {a} drew the same rows in rounds 0 and 1"
+        assert torch.equal(local_rows(0, clients[a : a + 1])[0], first[a])
 
 
 def test_different_module_seeds_draw_different_clients() -> None:

@@ -38,7 +38,9 @@ from lightning_fedmeta.flower.client import data_spec_of  # noqa: E402
 from lightning_fedmeta.state import flatten_state  # noqa: E402
 from tests.helpers import make_trainer  # noqa: E402
 
-pytestmark = [pytest.mark.flower_loopback, pytest.mark.spawns]
+# pytest-timeout: 900 s, above the deployment's own DEADLINE_S (so its message reports a stuck deployment first)
+# and the 5.5 to 6.5 minutes it takes; the suite's default is 300 s, other spawning tests get 600 s
+pytestmark = [pytest.mark.flower_loopback, pytest.mark.spawns, pytest.mark.timeout(900)]
 
 ROUNDS = 3
 DEADLINE_S = 600.0  # the whole deployment, from the SuperLink's start (323–393 s measured on 2 busy cores)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -104,17 +106,48 @@ def test_check_refuses_impossible_rules(spec: AggregatorSpec, n: int, f: int, me
 
 
 @pytest.mark.parametrize(
-    ("spec", "n", "f"),
+    ("spec", "n", "f", "past", "refusal"),
     [
-        (AggregatorSpec("krum"), 7, 2),  # the smallest n with n > 2f + 2
-        (AggregatorSpec("multi_krum", m=8), 10, 2),
-        (AggregatorSpec("bulyan"), 7, 1),  # n = 4f + 3
-        (AggregatorSpec("trimmed_mean", beta=0.49), 3, 0),
-        (AggregatorSpec("median"), 1, 0),
+        # the smallest n with n > 2f + 2; n = 6 is refused
+        (AggregatorSpec("krum"), 7, 2, (AggregatorSpec("krum"), 6, 2), "krum needs n > 2f + 2"),
+        # the largest m = n − f; m = 9 is refused
+        (AggregatorSpec("multi_krum", m=8), 10, 2, (AggregatorSpec("multi_krum", m=9), 10, 2),
+         "model.aggregator.m must be in [1, n - f]"),
+        # n = 4f + 3; n = 6 is refused
+        (AggregatorSpec("bulyan"), 7, 1, (AggregatorSpec("bulyan"), 6, 1), "bulyan needs n >= 4f + 3"),
+        # 2⌊βn⌋ = 2 < 3: one value per coordinate is left; 2⌊0.5 · 2⌋ = 2 = n leaves none
+        (AggregatorSpec("trimmed_mean", beta=0.49), 3, 0, (AggregatorSpec("trimmed_mean", beta=0.5), 2, 0),
+         "trims 2*floor(beta*n) = 2 of n=2"),
+        # one update; none is refused
+        (AggregatorSpec("median"), 1, 0, (AggregatorSpec("median"), 0, 0),
+         "the number of updates per round must be >= 1"),
     ],
+    ids=["krum", "multi_krum", "bulyan", "trimmed_mean", "median"],
 )
-def test_check_accepts_the_boundary_cases(spec: AggregatorSpec, n: int, f: int) -> None:
-    check_aggregator(spec, n, f)
+def test_check_accepts_the_boundary_cases(
+    spec: AggregatorSpec, n: int, f: int, past: tuple[AggregatorSpec, int, int], refusal: str
+) -> None:
+    """At the edge of its condition a rule is accepted without a word and runs: on ``n − f`` honest rows near
+    ``base`` and ``f`` rows far away it returns a finite update inside the honest rows' coordinate-wise range (the
+    exact one where the rule has a closed form here); one step past the edge is refused, naming the condition."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_aggregator(spec, n, f) is None
+    g = torch.Generator().manual_seed(n)
+    base = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+    honest = base + 0.1 * torch.randn(n - f, 4, generator=g, dtype=torch.float64)
+    rows = torch.cat([honest, 100.0 + torch.randn(f, 4, generator=g, dtype=torch.float64)])
+    out = aggregate_rows(spec, rows, torch.full((n,), 1 / n, dtype=torch.float64), f=f)
+    assert out.shape == (4,) and bool(torch.isfinite(out).all())
+    assert bool((out >= honest.min(0).values).all() and (out <= honest.max(0).values).all()), out
+    if spec.name == "krum":  # the honest row with the least score
+        assert any(torch.equal(out, row) for row in honest)
+    elif spec.name == "multi_krum":  # m = n − f: the mean of exactly the honest rows
+        torch.testing.assert_close(out, honest.mean(0), rtol=1e-12, atol=1e-12)
+    elif spec.name in ("trimmed_mean", "median"):  # one value left per coordinate: the median
+        assert torch.equal(out, honest.median(0).values)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        check_aggregator(*past)
 
 
 def test_aggregate_rows_checks_the_rows_that_take_part() -> None:
