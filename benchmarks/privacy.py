@@ -185,7 +185,9 @@ def write_report(records: list[dict[str, Any]], settings: dict[str, Any], comman
         f"accountant (Opacus RDP, sample rate q = {settings['cohort']}/{settings['clients']} = {q:g}, one step per "
         "round; the analysis assumes Poisson sampling of clients while the loop samples fixed-size cohorts, see "
         "docs/reliability.md). σ = 0 clips without noise (ε = ∞): the non-private reference; the untrained model "
-        "(0 rounds, the same fine-tune step) is the floor.",
+        "(0 rounds, the same fine-tune step) is the floor. The runs draw their noise from the seed so that they "
+        "reproduce: ε here measures accuracy against privacy at equal noise, and would hold against someone who "
+        "knows the seed only with model.dp.secure_mode (docs/security.md).",
         "",
         "| σ (noise multiplier) | ε | " + " | ".join(f"{ALGORITHMS[a]} acc" for a in ALGORITHMS) + " | "
         + " | ".join(f"{ALGORITHMS[a]} worst 10%" for a in ALGORITHMS) + " |",

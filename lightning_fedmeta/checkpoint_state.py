@@ -37,6 +37,7 @@ def save_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
         # checkpoints load with weights_only=True, so the architecture is named, not pickled
         "model_class": f"{type(module.model).__module__}.{type(module.model).__qualname__}",
         **fedmeta_run_record(module),
+        "privacy": module.privacy_record(),  # ε and the release count continue in a warm start
     }
     seal_checkpoint(checkpoint)
 
@@ -58,6 +59,7 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
     module._placed_on = None
     module._data_spec = saved.get("data_spec")
     module._loaded_round = int(checkpoint.get("global_step", 0))
+    module._saved_privacy = saved.get("privacy")
     # evaluating with other metrics: their states differ
     metric_state = None if any(d.name == "model.metrics" for d in changed) else saved.get("metric_state")
     module.evaluator.load_state_dict(metric_state, attached=module.data is not None)

@@ -51,6 +51,7 @@ from lightning_fedmeta.options import (
 )
 from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.privacy_budget import PrivacyBudget
+from lightning_fedmeta.private_fit import start_private_fit
 from lightning_fedmeta.reliability import Reliability
 from lightning_fedmeta.round_logging import log_round, log_summary
 
@@ -203,6 +204,7 @@ class FederatedModule(LightningModule):
         self._placed_on: torch.device | None = None
         self._loaded_round = 0  # the round of a loaded checkpoint (test/validate do not restore global_step)
         self._budget: PrivacyBudget | None = None
+        self._saved_privacy: dict[str, Any] | None = None  # a loaded checkpoint's privacy record
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -313,9 +315,22 @@ class FederatedModule(LightningModule):
             self._budget = PrivacyBudget(self.reliability.dp, self.num_sampled / int(self.eligible.numel()))
         return self._budget
 
+    def on_train_start(self) -> None:
+        """Under ``model.dp``: continue the model's privacy record and choose the noise source
+        (:func:`~lightning_fedmeta.private_fit.start_private_fit`)."""
+        if self.reliability.dp is not None:
+            self._budget = start_private_fit(self)
+
     def epsilon_spent(self, rounds: int) -> float:
-        """ε after ``rounds`` rounds of ``model.dp`` at its ``delta`` (Opacus's RDP accountant, ``q = m / N``)."""
+        """ε after ``rounds`` rounds of this fit of ``model.dp`` at its ``delta``, the rounds of earlier fits of
+        this model (warm starts) included (Opacus's RDP accountant, ``q = m / N``)."""
         return self._privacy().epsilon(rounds)
+
+    def privacy_record(self) -> dict[str, Any] | None:
+        """The checkpoint's privacy record: every ``(z, q, rounds)`` phase released and their count."""
+        if self.reliability.dp is None:
+            return None
+        return self._privacy().record(int(self.global_step))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         """``model.dp.target_epsilon``: stop before the round that would spend more than the target."""
@@ -370,6 +385,8 @@ class FederatedModule(LightningModule):
             self._evaluate("val", log=False)
         if self.last_summary and self.trainer.is_global_zero:
             rank_zero_info(format_summary(self.last_summary, self.last_summary_round))
+        if self._budget is not None:
+            rank_zero_info(self._budget.summary(int(self.global_step)))
 
     def on_test_end(self) -> None:
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP: every rank

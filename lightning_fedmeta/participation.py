@@ -33,6 +33,7 @@ __all__ = [
     "StepBudget",
     "answering_clients",
     "check_dropout",
+    "expected_answers",
     "check_over_selection",
     "mask_missing_steps",
     "num_candidates",
@@ -57,6 +58,16 @@ def check_over_selection(f: Any, option: str = "model.over_selection") -> float:
 def num_candidates(num_kept: int, over_selection: float, num_eligible: int) -> int:
     """``⌈(1 + f)·m⌉`` clients sampled to keep ``m``, at most every eligible client."""
     return min(num_eligible, math.ceil((1.0 + over_selection) * num_kept - 1e-9))
+
+
+def expected_answers(num_candidates: int, dropout: float, keep: int) -> float:
+    """``E[min(keep, A)]`` with ``A ~ Binomial(num_candidates, 1 − dropout)``: the expected number of clients of a
+    round that answer (:func:`answering_clients`), exactly, from the binomial probabilities."""
+    if dropout == 0:
+        return float(min(keep, num_candidates))
+    answer = 1.0 - dropout
+    return float(sum(min(keep, k) * math.comb(num_candidates, k) * answer ** k * dropout ** (num_candidates - k)
+                     for k in range(num_candidates + 1)))
 
 
 def answering_clients(seed: int, round_idx: int, candidates: Tensor, dropout: float, keep: int) -> Tensor:

@@ -16,17 +16,23 @@ data move the aggregate by more than C/m. Changing one client's data changes the
 most C (add/remove adjacency), and the noise on the sum has standard deviation σ_Δ·C, so each round
 is a Gaussian mechanism with noise multiplier σ_Δ on a sample of the clients.
 
-The noise is drawn on the CPU from a ``torch.Generator`` the module seeds per round from
-``(seed, "dp-noise", round)`` (:func:`lightning_fedmeta.sampling.generator_for`; one draw per parameter
-tensor, in the model's parameter order), and the adaptive clip's count noise from ``(seed, "dp-clip", round)``,
+By default (simulation) the noise is drawn on the CPU from a ``torch.Generator`` seeded per released round
+from ``(seed, "dp-noise", release)`` (:func:`lightning_fedmeta.sampling.generator_for`; one draw per parameter
+tensor, in the model's parameter order), and the adaptive clip's count noise from ``(seed, "dp-clip", release)``,
 so a run is reproducible, the same on every rank and device, and a resumed run draws the same noise as an
-uninterrupted one.
+uninterrupted one. *Such noise is not secret*: the seed is in every checkpoint and config, and whoever reads it
+can subtract the noise from a published update. ``secure_mode: true`` draws the noise and the cohort from a
+secret instead (:mod:`lightning_fedmeta.dp_draws`); only then does ε bound what a reader of the config learns.
+``release`` counts every round this model ever released, across warm starts, so no noise is drawn twice.
 
 Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with
 Adaptive Clipping", NeurIPS 2021, Algorithm 1 with the geometric update) replaces the fixed C by an
 online, private estimate of the γ-quantile of the update norms::
 
-    b̄ = (Σ_{i∈S} 1[‖Δ_i‖₂ ≤ C] + N(0, σ_b²)) / m,     C ← C · exp(−η_C · (b̄ − γ))      (adapt_clip)
+    b̄ = ½ + (Σ_{i∈S} (1[‖Δ_i‖₂ ≤ C] − ½) + N(0, σ_b²)) / m̂,     C ← C · exp(−η_C · (b̄ − γ))      (adapt_clip)
+
+with m̂ the expected number of clients that answer (m without dropout), as in TensorFlow Privacy's
+``QuantileEstimatorQuery``.
 
 The clipped-count query is a second Gaussian mechanism on the same sample; by their Theorem 1 the pair
 (update sum with multiplier σ_Δ, count with σ_b) is exactly as private as one Gaussian mechanism with
@@ -112,6 +118,15 @@ class DPSpec:
         delta: δ of the reported (ε, δ) guarantee; in (0, 1), customarily below 1/N.
         target_epsilon: stop training before the round that would make ε exceed it (``None``: never).
         adaptive: adaptive clipping (``None``: the fixed clip C).
+        secure_mode: draw the noise and the cohort from a secret (:mod:`lightning_fedmeta.dp_draws`) instead of
+            ``model.seed``; without it anyone who reads the seed (every checkpoint and config holds it) can
+            regenerate the noise, so the reported ε holds only against someone who does not know the seed.
+        sampling: ``"fixed"`` (a cohort of exactly m clients, the accountant's Poisson ε is an approximation) or
+            ``"poisson"`` (each training client joins a round independently with probability q = m / N, the
+            sampling the accountant assumes, so its ε is the guarantee).
+        batchnorm: BatchNorm running statistics of the published model: ``"private"`` (each client's change of
+            the statistics is clipped together with its update and noised with it) or ``"local"`` (kept on the
+            clients; the published model keeps its initial statistics).
     """
 
     clip: float = 1.0
@@ -119,6 +134,9 @@ class DPSpec:
     delta: float = 1e-5
     target_epsilon: float | None = None
     adaptive: AdaptiveClipSpec | None = None
+    secure_mode: bool = False
+    sampling: str = "fixed"
+    batchnorm: str = "private"
 
     def __post_init__(self) -> None:
         _check_dp(self, "dp")
@@ -174,9 +192,17 @@ def _check_dp(spec: DPSpec, option: str) -> None:
             )
     if spec.adaptive is not None:
         _check_adaptive(spec.adaptive, f"{option}.adaptive_clip")
+    if not isinstance(spec.secure_mode, bool):
+        raise ValueError(f"{option}.secure_mode must be true or false, got {spec.secure_mode!r}")
+    for key, choices in (("sampling", SAMPLINGS), ("batchnorm", BATCHNORM_MODES)):
+        if getattr(spec, key) not in choices:
+            raise ValueError(f"{option}.{key} must be one of {list(choices)}, got {getattr(spec, key)!r}")
 
 
-_DP_KEYS = ("clip", "noise_multiplier", "delta", "target_epsilon", "adaptive_clip")
+SAMPLINGS = ("fixed", "poisson")
+BATCHNORM_MODES = ("private", "local")
+_DP_KEYS = ("clip", "noise_multiplier", "delta", "target_epsilon", "adaptive_clip", "secure_mode", "sampling",
+            "batchnorm")
 _ADAPTIVE_KEYS = tuple(f.name for f in fields(AdaptiveClipSpec))
 
 
@@ -209,11 +235,12 @@ def _parse_adaptive(value: Any, option: str) -> AdaptiveClipSpec | None:
 def parse_dp(spec: Mapping[str, Any] | DPSpec | None, option: str = "model.dp") -> DPSpec | None:
     """The :class:`DPSpec` of a user's mapping (``FederatedModule(dp=...)``, ``model.dp`` in a config).
 
-    Keys: ``clip``, ``noise_multiplier``, ``delta``, ``target_epsilon`` and ``adaptive_clip`` (``true`` for the
+    Keys: ``clip``, ``noise_multiplier``, ``delta``, ``target_epsilon``, ``adaptive_clip`` (``true`` for the
     paper's defaults, or a mapping of :class:`AdaptiveClipSpec` fields: ``target_quantile``, ``lr``,
-    ``count_noise_multiplier``); missing keys take :class:`DPSpec`'s defaults, ``None`` gives ``None`` (no DP)
-    and a :class:`DPSpec` is returned as it is. An unknown key, a value of the wrong type or out of range
-    raises ``ValueError`` naming ``f"{option}.{key}"`` and the value.
+    ``count_noise_multiplier``), ``secure_mode``, ``sampling`` and ``batchnorm``; missing keys take
+    :class:`DPSpec`'s defaults, ``None`` gives ``None`` (no DP) and a :class:`DPSpec` is returned as it is. An
+    unknown key, a value of the wrong type or out of range raises ``ValueError`` naming ``f"{option}.{key}"`` and
+    the value.
     """
     if spec is None:
         return None
@@ -234,6 +261,9 @@ def parse_dp(spec: Mapping[str, Any] | DPSpec | None, option: str = "model.dp") 
     if spec.get("target_epsilon") is not None:
         args["target_epsilon"] = _number(spec["target_epsilon"], f"{option}.target_epsilon")
     args["adaptive"] = _parse_adaptive(spec.get("adaptive_clip"), f"{option}.adaptive_clip")
+    for key in ("secure_mode", "sampling", "batchnorm"):
+        if spec.get(key) is not None:
+            args[key] = spec[key]
     _check_dp(_draft(DPSpec, args), option)  # named as the user wrote it, before the dataclass checks it again
     return DPSpec(**args)
 
@@ -248,10 +278,14 @@ def clip_rows(rows: Tensor, clip: float | Tensor) -> tuple[Tensor, Tensor]:
     is one row. ``norms`` (``[n]``, the norms *before* clipping) feed :func:`adapt_clip`'s count. A row
     already inside the ball (‖row‖ ≤ C, zero rows included) is multiplied by exactly 1, so it is returned bit
     for bit, and ``clip = inf`` returns ``rows`` itself. A clipped row's norm is C up to float rounding (a
-    relative 1e-6 in float32, as in every DP-SGD implementation).
+    relative 1e-6 in float32, as in every DP-SGD implementation). Half-precision rows (float16, bfloat16) are
+    clipped and returned in float32: rounded back to 8 mantissa bits a clipped bfloat16 row's norm reaches
+    1.009·C, which would break the sensitivity bound the noise is calibrated to.
     """
     if rows.dim() != 2:
         raise ValueError(f"clip_rows takes rows of shape [n, d], got {tuple(rows.shape)}")
+    if rows.dtype in (torch.float16, torch.bfloat16):  # a half-precision row rounded after clipping overshoots C
+        rows = rows.float()
     norms = torch.linalg.vector_norm(rows, dim=1)
     if isinstance(clip, Tensor):
         c = clip.to(device=rows.device, dtype=norms.dtype)
@@ -315,25 +349,40 @@ def gaussian_noise(like: Tensor, std: float, generator: torch.Generator) -> Tens
 
 
 def adapt_clip(
-    clip: float, norms: Tensor, cohort: int, spec: DPSpec, generator: torch.Generator, *, option: str = "model.dp"
+    clip: float, norms: Tensor, cohort: int, spec: DPSpec, standard_normal: float = 0.0, *,
+    expected_answers: float | None = None, option: str = "model.dp",
 ) -> float:
     """The next round's clip by the geometric update (Andrew et al., NeurIPS 2021, Algorithm 1):
 
-        b̄ = (Σ_i 1[‖Δ_i‖₂ ≤ C] + N(0, σ_b²)) / m,        C ← C · exp(−η_C (b̄ − γ))
+        b̄ = ½ + (Σ_{i answered} (1[‖Δ_i‖₂ ≤ C] − ½) + σ_b ξ) / m̂,   clamped to [0, 1]
+        C ← C · exp(−η_C (b̄ − γ))
 
-    with ``norms`` the m sampled clients' update norms before clipping (:func:`clip_rows`), σ_b from
-    :func:`noise_multipliers`, γ = ``target_quantile`` and η_C = ``lr``. More unclipped updates than the
-    target quantile (b̄ > γ) shrinks C; fewer grows it. Draws exactly one float64 standard normal from
-    ``generator`` when σ_b > 0 and none otherwise (the count is then exact)."""
+    ``norms``: the update norms (before clipping, :func:`clip_rows`) of the clients that answered; ``ξ`` =
+    ``standard_normal`` (one N(0, 1) draw, ignored when σ_b = 0); σ_b from :func:`noise_multipliers`;
+    γ = ``target_quantile``, η_C = ``lr``; ``m̂ = expected_answers``, the expected number of clients that answer
+    (``cohort`` when every sampled client answers).
+
+    The centred indicators and the expected denominator are those of the reference implementation,
+    TensorFlow Privacy's ``QuantileEstimatorQuery`` (``tensorflow_privacy/privacy/dp_query/
+    quantile_estimator_query.py``: ``below = (record <= estimate) − 0.5``, a ``GaussianAverageQuery`` with
+    ``denominator=expected_num_records``, ``below_estimate = result + 0.5`` clipped to [0, 1]). Centring makes the
+    count's sensitivity ½ (adding or removing one client moves the sum by at most ½), which Theorem 1's
+    ``(2σ_b)⁻²`` in :func:`noise_multipliers` assumes; a client that did not answer contributes 0, so under
+    dropout ``E[b̄] = ½ + m̂(F(C) − ½)/m̂ = F(C)``: C settles at the γ-quantile of the norms, whatever the dropout.
+    With every client answering and m̂ = m this is ``(Σ_i 1[‖Δ_i‖ ≤ C] + σ_b ξ) / m``, the paper's form."""
     if spec.adaptive is None:
         raise ValueError(f"adapt_clip needs a DPSpec with adaptive clipping ({option}.adaptive_clip)")
-    if norms.dim() != 1 or norms.numel() != cohort:
-        raise ValueError(f"adapt_clip takes the {cohort} sampled clients' norms [m], got shape {tuple(norms.shape)}")
+    if norms.dim() != 1:
+        raise ValueError(f"adapt_clip takes the answering clients' norms [n], got shape {tuple(norms.shape)}")
+    expected = float(cohort if expected_answers is None else expected_answers)
+    if not expected > 0:
+        raise ValueError(f"adapt_clip: the expected number of answering clients must be > 0, got {expected!r}")
     _, sigma_b = noise_multipliers(spec, cohort, option=option)
     unclipped = float((norms.detach().double().cpu() <= clip).sum())
+    unclipped += (expected - float(norms.numel())) / 2  # ½ per missing answer: the centred sum, shifted by m̂/2
     if sigma_b > 0:
-        unclipped += sigma_b * float(torch.randn((), generator=generator, dtype=torch.float64))
-    fraction = unclipped / cohort
+        unclipped += sigma_b * float(standard_normal)
+    fraction = min(1.0, max(0.0, unclipped / expected))
     return float(clip) * math.exp(-spec.adaptive.lr * (fraction - spec.adaptive.target_quantile))
 
 

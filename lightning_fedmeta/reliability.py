@@ -160,6 +160,11 @@ class Reliability:
                     f"model.dp clips and averages the updates itself; remove model.aggregator (got "
                     f"{self.aggregator.name!r}{', clip' if self.aggregator.clip is not None else ''})"
                 )
+            if self.dp.sampling == "poisson" and self.over_selection > 0:
+                raise ValueError(
+                    f"model.dp.sampling: poisson samples each client independently, so there is no cohort to "
+                    f"over-select; remove model.over_selection (got {self.over_selection!r})"
+                )
             noise_multipliers(self.dp, num_sampled)  # refuses an impossible split of the noise (adaptive clipping)
 
     # ------------------------------------------------------------------------------------------

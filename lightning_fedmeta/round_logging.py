@@ -2,7 +2,9 @@
 
 Per round (on the rounds a logger writes with ``log_every_n_steps = n``, and the last): ``train/<metric>`` (the
 clients' metrics, weighted by ``w_i``), ``clients``, ``round``, under DP ``dp/clip`` and ``dp/clipped_fraction``,
-and every round ``privacy/epsilon``. Per evaluation: ``<stage>/<metric>_{weighted,mean,worst10}`` for the training
+and every round ``privacy/epsilon`` with ``privacy/secure_mode`` (1: the noise was secret; 0: reproducible
+from ``model.seed``, so ε holds only against someone who does not know the seed). Per evaluation:
+``<stage>/<metric>_{weighted,mean,worst10}`` for the training
 clients and ``<stage>/<group>/...`` for the held-out (``new``) and honest clients.
 """
 
@@ -45,6 +47,8 @@ def log_round(module: Any, report: RoundReport) -> None:
             module.log(k, float(value), **_STEP)
     if module.reliability.dp is not None:
         module.log("privacy/epsilon", module.epsilon_spent(r + 1), prog_bar=True, **_STEP)
+        # next to ε: whether it holds against a reader of the seed (0: the noise is reproducible from model.seed)
+        module.log("privacy/secure_mode", float(module.reliability.dp.secure_mode), **_STEP)
 
 
 def log_summary(module: Any, stage: str, summary: dict[str, dict[str, Tensor]], sample: Tensor | None) -> None:

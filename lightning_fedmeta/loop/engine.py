@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
 from lightning_fedmeta.attacks import flip_labels
 from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.dp_draws import DPDraws, SecretDraws
 from lightning_fedmeta.execution import choose_batching, run_clients
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.loop.client_state import (
@@ -44,7 +45,12 @@ from lightning_fedmeta.loop.gather import BatchGatherer
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
 from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, skip_server_step
-from lightning_fedmeta.loop.stages import ServerContext, Uploads
+from lightning_fedmeta.loop.stages import ServerContext, ServerUpdate, Uploads
+from lightning_fedmeta.loop.statistics import (
+    publish_statistics,
+    published_statistics_rows,
+    published_statistics_size,
+)
 from lightning_fedmeta.participation import mask_missing_steps
 from lightning_fedmeta.sampling import stable_seed
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
@@ -89,6 +95,7 @@ class RoundEngine:
         self.model: nn.Module | None = None
         self.batching = "loop"
         self.validated: set[str] = set()  # outputs validated on the first round with this data
+        self.draws: DPDraws | None = None  # DP's secret draws (model.dp.secure_mode), set when a fit starts
         self._last: RoundResult | None = None  # for the (clients, output, weights) form of compute / commit
 
     @property
@@ -215,16 +222,32 @@ class RoundEngine:
         self._last = result
         return result
 
-    def combine(self, result: RoundResult, clip: float = math.inf) -> Uploads | None:
-        """Phase 4: the server pipeline on the round's uploads (``None``: a stage skipped the round)."""
-        ctx = ServerContext(
+    def use_secret(self, key: bytes | None) -> None:
+        """Draw DP's noise and cohort from the secret ``key`` (``model.dp.secure_mode``; the same key on every
+        rank), or from the seed again (``None``)."""
+        self.draws = None if key is None else SecretDraws(key)
+        self.federation.cohort_draws = self.draws
+
+    def server_context(self, round_idx: int, clients: Tensor, steps: Tensor, clip: float = math.inf) -> ServerContext:
+        """What the server stages may read about a round besides its uploads."""
+        return ServerContext(
             algorithm=self.algorithm, params=self.global_params(), server_state=self.server_state,
-            records=self.records(result.clients), seed=self.seed, round_idx=result.round_idx,
-            byzantine=self.federation.is_byzantine(result.clients), steps=result.steps,
+            records=self.records(clients), seed=self.seed, round_idx=round_idx,
+            byzantine=self.federation.is_byzantine(clients), steps=steps,
             cohort=self.federation.num_sampled, clip=clip,
             assumed_byzantine=self.reliability.assumed_byzantine(self.federation.num_sampled),
+            draws=self.draws, release_idx=self.federation.round_offset + round_idx,
+            expected_answers=self.federation.expected_answers() if self.reliability.dp is not None else None,
         )
-        uploads = self.pipeline.run(Uploads(result.output, result.weights), ctx)
+
+    def combine(self, result: RoundResult, clip: float = math.inf) -> Uploads | None:
+        """Phase 4: the server pipeline on the round's uploads (``None``: a stage skipped the round)."""
+        ctx = self.server_context(result.round_idx, result.clients, result.steps, clip)
+        statistics = None
+        if result.buffers and self.pipeline.statistics == "pipeline":
+            assert self.model is not None
+            statistics = published_statistics_rows(result.buffers, self.model)
+        uploads = self.pipeline.run(Uploads(result.output, result.weights, statistics=statistics), ctx)
         if uploads is not None and "aggregate" not in self.validated:  # once: later rounds cost nothing
             assert uploads.update is not None
             validate_aggregate_output(self.algorithm, (uploads.update.delta, uploads.update.server_state),
@@ -233,13 +256,22 @@ class RoundEngine:
             self.validated.add("aggregate")
         return uploads
 
-    def commit(self, result: RoundResult, server_state: dict[str, Any]) -> None:
-        """Phase 6 (after the server step): the clients' new state, the server state, BN statistics, ``seen``."""
+    def commit(self, result: RoundResult, server_state: dict[str, Any], statistics: Tensor | None = None) -> None:
+        """Phase 6 (after the server step): the clients' new state, the server state, BN statistics, ``seen``.
+
+        The clients keep their own BN statistics; the model's become their weighted mean, or ``s + statistics``
+        when the server pipeline formed them (DP, robust rules), or stay as they are (``model.dp.batchnorm:
+        local``)."""
         assert self.model is not None
         self.client_states.scatter(result.clients, result.output.state)
         self.server_state = server_state
         if result.buffers:
-            self.running.commit(result.clients, result.buffers, result.weights, self.model)
+            if self.pipeline.statistics == "mean":
+                self.running.commit(result.clients, result.buffers, result.weights, self.model)
+            else:
+                self.running.store.scatter(result.clients, result.buffers)
+                if statistics is not None:
+                    publish_statistics(self.model, list(result.buffers), statistics)
         self.federation.mark_seen(result.clients)
 
     def commit_output(self, clients: Tensor, output: ClientOutput, server_state: dict[str, Any]) -> None:
@@ -260,6 +292,8 @@ class RoundEngine:
         deciding = self.compile.deciding(self.batching)
         started = time.perf_counter()
         result = self.compute(round_idx)
+        if result is None and self.reliability.dp is not None:
+            return self._noise_only(round_idx, optimizer, clip)
         if result is None:
             return self._skip(round_idx, optimizer, "no sampled client answered (client_dropout)")
         if deciding:
@@ -273,11 +307,36 @@ class RoundEngine:
         assert uploads.update is not None
         check_update_finite(round_idx, uploads.update.delta)
         apply_server_step(optimizer, self.model, uploads.update.delta)
-        self.commit(result, uploads.update.server_state)
+        self.commit(result, uploads.update.server_state, uploads.update.statistics)
         if clip is not None and uploads.privacy is not None and uploads.privacy.next_clip is not None:
             clip.fill_(uploads.privacy.next_clip)  # adaptive clipping: C for the next round
         return RoundReport(round_idx, result.clients, weighted_mean_metrics(result.output.metrics, result.weights),
                            uploads.privacy)
+
+    def _noise_only(self, round_idx: int, optimizer: Any, clip: Tensor | None) -> RoundReport:
+        """A DP round no client answered: the mechanism still releases its noise, ``Δ = (σC/m) ξ`` (an empty sum
+        plus noise), and adaptive clipping still updates ``C``, so the published model is the mechanism's output
+        whoever took part (skipping would reveal an empty cohort, which the accountant does not cover)."""
+        assert self.model is not None
+        nobody = torch.zeros(0, dtype=torch.long)
+        ctx = self.server_context(round_idx, nobody, nobody, math.inf if clip is None else float(clip))
+        zeros = {k: torch.zeros_like(v) for k, v in ctx.params.items()}
+        statistics = None
+        if self.running.names and self.pipeline.statistics == "pipeline":
+            statistics = torch.zeros(published_statistics_size(self.model, self.running.names), device=self.device)
+        output = ClientOutput(delta={k: v[None][:0] for k, v in zeros.items()}, state={}, extras={}, metrics={})
+        uploads = Uploads(output, torch.zeros(0), norms=torch.zeros(0, dtype=torch.float64),
+                          update=ServerUpdate(zeros, self.server_state, statistics))
+        noised = self.pipeline.stages[-1](uploads, ctx)
+        assert noised is not None and noised.update is not None
+        apply_server_step(optimizer, self.model, noised.update.delta)
+        if noised.update.statistics is not None:
+            publish_statistics(self.model, self.running.names, noised.update.statistics)
+        if clip is not None and noised.privacy is not None and noised.privacy.next_clip is not None:
+            clip.fill_(noised.privacy.next_clip)
+        rank_zero_info(f"[lightning_fedmeta] round {round_idx}: no sampled client answered; the DP noise is "
+                       "released all the same")
+        return RoundReport(round_idx, torch.zeros(0, dtype=torch.long), privacy=noised.privacy)
 
     def _skip(self, round_idx: int, optimizer: Any, reason: str) -> RoundReport:
         """A round that changes nothing (no client marked as trained); the optimizer still steps (no gradients)."""

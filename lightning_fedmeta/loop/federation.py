@@ -6,6 +6,7 @@ For ``K`` clients with ``n_i`` training samples (docs/design.md, contracts 1 and
     E      = {0..K-1} \\ H                                       the training clients
     p_i    = s_i / Σ_{j∈E} s_j   (i ∈ E; 0 on H),  s_i = n_i ("samples") or 1 ("uniform")
     S_r    = answering(seed, r, sample(seed, r, E, ⌈(1 + f)·m⌉), dropout, m)   pure in (seed, r)
+             (under model.dp: r is the release index; Poisson or secret draws as its options ask)
     w_i^r  = s_i / Σ_{j∈S_r} s_j                                 the round's weights, renormalised over S_r
     τ_i^r  = budget(seed, r, i) or the algorithm's steps        local steps (stragglers do fewer)
     seen_i ← seen_i ∨ (i ∈ S_r)                                  after the round is committed
@@ -23,7 +24,8 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientRecord
-from lightning_fedmeta.participation import answering_clients, num_candidates
+from lightning_fedmeta.dp_draws import DPDraws, SeededDraws
+from lightning_fedmeta.participation import answering_clients, expected_answers, num_candidates
 from lightning_fedmeta.reliability import Reliability
 from lightning_fedmeta.sampling import choose_holdout, sample_clients
 
@@ -52,6 +54,8 @@ class Federation:
         self.reliability = reliability
         self.seen: Tensor | None = None  # [K] bool: took part in a committed round
         self.byzantine_clients = torch.zeros(0, dtype=torch.long)
+        self.round_offset = 0  # rounds the model released in earlier fits (warm starts): DP draws continue after them
+        self.cohort_draws: DPDraws | None = None  # the secret stream under model.dp.secure_mode
 
     def bind(self, train_counts: Tensor, algorithm: Algorithm, task: str) -> None:
         """Fix the population (``n_i`` per client): hold-outs, ``m``, candidates, ``p_i``, Byzantine clients.
@@ -100,9 +104,38 @@ class Federation:
 
     def round_clients(self, round_idx: int) -> Tensor:
         """The clients that take part in round ``round_idx`` (sorted): the sampled ones, or under ``client_dropout``
-        / ``over_selection`` the first ``m`` of ``⌈(1 + f)·m⌉`` candidates that answer (possibly none)."""
-        candidates = sample_clients(self.seed, round_idx, self.eligible, self.num_candidates)
-        return answering_clients(self.seed, round_idx, candidates, self.reliability.dropout, self.num_sampled)
+        / ``over_selection`` the first ``m`` of ``⌈(1 + f)·m⌉`` candidates that answer (possibly none).
+
+        Under ``model.dp`` the draw is made for the round's release ``round_offset + round_idx`` (a warm start
+        never repeats an earlier fit's cohorts); with ``model.dp.sampling: poisson`` each training client is a
+        candidate independently with probability ``q = m / |E|`` (the cohort's size varies; none is dropped for
+        being beyond ``m``), and with ``cohort_draws`` set (``model.dp.secure_mode``) the uniforms come from the
+        secret stream instead of the seed."""
+        dp = self.reliability.dp
+        if dp is None:
+            candidates = sample_clients(self.seed, round_idx, self.eligible, self.num_candidates)
+            return answering_clients(self.seed, round_idx, candidates, self.reliability.dropout, self.num_sampled)
+        release = self.round_offset + round_idx
+        n = int(self.eligible.numel())
+        if dp.sampling == "poisson":
+            draws = self.cohort_draws or SeededDraws(self.seed)
+            candidates = self.eligible[draws.uniform(n, "poisson-clients", release) < self.num_sampled / n]
+            return answering_clients(self.seed, release, candidates, self.reliability.dropout, n)
+        if self.cohort_draws is not None:
+            order = torch.argsort(self.cohort_draws.uniform(n, "clients", release))
+            candidates = self.eligible[order[: self.num_candidates]].sort().values
+        else:
+            candidates = sample_clients(self.seed, release, self.eligible, self.num_candidates)
+        return answering_clients(self.seed, release, candidates, self.reliability.dropout, self.num_sampled)
+
+    def expected_answers(self) -> float:
+        """``m̂``: the expected number of a round's clients that answer (``m`` without dropout; ``q·|E|·(1 − p)``
+        under Poisson sampling) — adaptive clipping's denominator."""
+        dropout = self.reliability.dropout
+        dp = self.reliability.dp
+        if dp is not None and dp.sampling == "poisson":
+            return self.num_sampled * (1.0 - dropout)
+        return expected_answers(self.num_candidates, dropout, self.num_sampled)
 
     def weights(self, clients: Tensor, device: torch.device | str = "cpu") -> Tensor:
         """``w_i = s_i / Σ_{j∈S} s_j`` over the listed clients (float32)."""

@@ -38,8 +38,11 @@ __all__ = ["ServerPipeline", "apply_server_step", "check_update_finite", "skip_s
 class ServerPipeline:
     """An ordered list of stages; :meth:`run` passes the uploads through them."""
 
-    def __init__(self, stages: Sequence[ServerStage]) -> None:
+    def __init__(self, stages: Sequence[ServerStage], statistics: str = "mean") -> None:
         self.stages = list(stages)
+        # how the published model's BatchNorm statistics are formed: "mean" (Σ w_i s_i), "pipeline" (the stages
+        # clip, aggregate and noise them with the updates: DP, robust rules) or "local" (never published)
+        self.statistics = statistics
 
     @classmethod
     def from_reliability(cls, reliability: Reliability) -> ServerPipeline:
@@ -55,7 +58,9 @@ class ServerPipeline:
         stages.append(AlgorithmAggregate() if rule.name == "mean" and rule.clip is None else RobustAggregate(rule))
         if reliability.dp is not None:
             stages.append(AddDPNoise(reliability.dp))
-        return cls(stages)
+        protected = reliability.dp is not None or not isinstance(stages[-1], AlgorithmAggregate)
+        local = reliability.dp is not None and reliability.dp.batchnorm == "local"
+        return cls(stages, "local" if local else "pipeline" if protected else "mean")
 
     def run(self, uploads: Uploads, ctx: ServerContext) -> Uploads | None:
         """The uploads after every stage (``update`` set), or ``None`` when a stage skips the round."""

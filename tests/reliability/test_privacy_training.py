@@ -92,7 +92,8 @@ def test_the_aggregate_is_the_clipped_mean_plus_noise_and_the_clip_adapts() -> N
         v = mean[start:start + size].reshape(out.delta[k].shape[1:])
         expected[k] = v + gaussian_noise(v, sigma_delta * 0.68 / COHORT, generator)
         start += size
-    next_clip = adapt_clip(0.68, norms, COHORT, spec, generator_for(SEED, "dp-clip", 0))
+    xi = float(torch.randn((), generator=generator_for(SEED, "dp-clip", 0), dtype=torch.float64))
+    next_clip = adapt_clip(0.68, norms, COHORT, spec, xi)
     assert next_clip != 0.68
 
     module = _module(dp)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.dp_draws import DPDraws, SeededDraws
 from lightning_fedmeta.functional import Params
 from lightning_fedmeta.robust import flatten_rows
 
@@ -29,6 +30,7 @@ class ServerUpdate:
 
     delta: Params
     server_state: dict[str, Any]
+    statistics: Tensor | None = None  # [d_s] the published change of the BatchNorm statistics (Uploads.statistics)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,11 @@ class ServerContext:
         cohort: ``m``, the clients sampled per round (the DP denominator).
         clip: the current DP clipping norm ``C`` (``inf`` without DP).
         assumed_byzantine: ``f``, the Byzantine updates a robust rule tolerates.
+        draws: where DP's random draws come from (``None``: ``SeededDraws(seed)``, reproducible from the seed).
+        release_idx: the index of this release among all the model's rounds, warm starts included (``None``:
+            ``round_idx``); DP's noise is drawn per release, so no noise is ever drawn twice.
+        expected_answers: ``m̂``, the expected number of clients that answer (adaptive clipping's denominator;
+            ``None``: ``cohort``).
     """
 
     algorithm: Algorithm
@@ -68,6 +75,15 @@ class ServerContext:
     cohort: int
     clip: float = math.inf
     assumed_byzantine: int = 0
+    draws: DPDraws | None = None
+    release_idx: int | None = None
+    expected_answers: float | None = None
+
+    def dp_draws(self) -> DPDraws:
+        return self.draws if self.draws is not None else SeededDraws(self.seed)
+
+    def release(self) -> int:
+        return self.round_idx if self.release_idx is None else self.release_idx
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,9 @@ class Uploads:
     norms: Tensor | None = None  # the rows' norms before DP clipping
     update: ServerUpdate | None = None
     privacy: PrivacyReport | None = field(default=None)
+    # [n, d_s] each client's float BatchNorm statistics minus the model's, when a stage must protect them (DP,
+    # robust rules): clipped with the client's row, aggregated by the same rule, noised with the update
+    statistics: Tensor | None = None
 
     def flat(self) -> Tensor:
         """The deltas as ``[n, d]`` rows (the transformed ones when a stage changed them)."""

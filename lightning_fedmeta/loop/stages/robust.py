@@ -3,13 +3,17 @@ Bulyan, geometric median, FedNova, or the mean of norm-bounded updates (``clip``
 
 ``Δ = rule({Δ_i}, w, f)`` over the ``[n, d]`` rows (:func:`~lightning_fedmeta.robust.aggregate_rows`); the
 server state is unchanged (robust rules apply to algorithms whose upload is a plain delta). A rule that needs
-``n`` larger than this round's answering clients allow (Krum: ``n > 2f + 2``) skips the round.
+``n`` larger than this round's answering clients allow (Krum: ``n > 2f + 2``) skips the round. The clients'
+BatchNorm statistics (:attr:`Uploads.statistics`, centred on the model's) go through the same rule on their own
+rows (FedNova, a re-weighting rather than a defence, averages them), so an outlier's statistics are rejected as
+its update is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_fedmeta.functional import weighted_sum
 from lightning_fedmeta.loop.stages.base import ServerContext, ServerUpdate, Uploads
 from lightning_fedmeta.robust import AggregatorSpec, aggregate_rows, check_aggregator, unflatten_row
 
@@ -28,5 +32,11 @@ class RobustAggregate:
             except ValueError:
                 return None
         rows = uploads.flat()
-        vector = aggregate_rows(self.spec, rows, uploads.weights, f=f, steps=ctx.steps.to(rows.device))
-        return uploads.with_(update=ServerUpdate(unflatten_row(vector, uploads.output.delta), ctx.server_state))
+        steps = ctx.steps.to(rows.device)
+        vector = aggregate_rows(self.spec, rows, uploads.weights, f=f, steps=steps)
+        statistics = uploads.statistics
+        if statistics is not None:  # the same rule on the statistics: a row the rule rejects cannot move them
+            statistics = (weighted_sum(uploads.weights, statistics) if self.spec.name == "fednova"
+                          else aggregate_rows(self.spec, statistics, uploads.weights, f=f, steps=steps))
+        update = ServerUpdate(unflatten_row(vector, uploads.output.delta), ctx.server_state, statistics)
+        return uploads.with_(update=update)

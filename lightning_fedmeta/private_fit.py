@@ -1,0 +1,83 @@
+"""The start of a fit under ``model.dp``: continue the model's privacy record, and choose where the noise comes from.
+
+A fit starts at round ``global_step`` (0, or a resumed checkpoint's step). The model may have released rounds in
+earlier fits (a warm start: ``load_from_checkpoint`` then ``fit``); the checkpoint's privacy record (``history``,
+``released``) says how many and at which ``(z, q)``:
+
+    offset = released − global_step          the release index of this fit's round 0
+    prior  = history without its last global_step rounds       (the resumed rounds are this fit's own)
+
+so ε continues (:class:`~lightning_fedmeta.privacy_budget.PrivacyBudget`) and the DP draws of round ``r`` use the
+release index ``offset + r``: a warm start never reuses an earlier fit's noise or cohorts. Under
+``model.dp.secure_mode`` a fresh secret key (``os.urandom``, rank 0's broadcast to every rank) keys the draws
+(:mod:`lightning_fedmeta.dp_draws`); otherwise a one-line warning says the ε assumes a secret seed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_fedmeta.dp_draws import KEY_BYTES
+from lightning_fedmeta.privacy_budget import SEEDED_NOISE_NOTE, History, PrivacyBudget, without_last_rounds
+
+__all__ = ["parse_privacy_record", "start_private_fit"]
+
+
+def parse_privacy_record(record: Any) -> tuple[History, int]:
+    """``(history, released)`` of a checkpoint's privacy record, checked (a ``ValueError`` names what is wrong)."""
+    if not isinstance(record, Mapping) or not isinstance(record.get("history"), list):
+        raise ValueError(f"the checkpoint's privacy record must be a mapping with a 'history' list, got {record!r}")
+    history: History = []
+    for phase in record["history"]:
+        if not (isinstance(phase, (list, tuple)) and len(phase) == 3):
+            raise ValueError(f"a privacy history phase is [noise_multiplier, sample_rate, rounds], got {phase!r}")
+        z, q, n = float(phase[0]), float(phase[1]), phase[2]
+        if not (z >= 0 and math.isfinite(z) and 0 < q <= 1 and isinstance(n, int) and n >= 0):
+            raise ValueError(f"a privacy history phase is out of range: {phase!r}")
+        history.append((z, q, n))
+    released = record.get("released")
+    if isinstance(released, bool) or not isinstance(released, int) or released < sum(n for _, _, n in history):
+        raise ValueError(f"the privacy record's 'released' must be an int >= the rounds of its history, got "
+                         f"{released!r}")
+    return history, released
+
+
+def _record(module: Any, step: int) -> tuple[History, int]:
+    saved = getattr(module, "_saved_privacy", None)
+    if saved is not None:
+        return parse_privacy_record(saved)
+    loaded = int(getattr(module, "_loaded_round", 0))
+    if loaded > step:  # a warm start from a checkpoint without a record (no DP, or an older release)
+        rank_zero_warn(f"[lightning_fedmeta] the loaded checkpoint has no privacy record: its {loaded} rounds were "
+                       "trained without model.dp or by an older release, and ε counts only this fit's rounds",
+                       category=UserWarning)
+        return [], loaded
+    return [], step
+
+
+def start_private_fit(module: Any) -> PrivacyBudget:
+    """Set the engine's release offset and DP draws for this fit, and return its privacy budget."""
+    dp = module.reliability.dp
+    step = int(module.global_step)
+    history, released = _record(module, step)
+    offset = released - step
+    if offset < 0:
+        raise ValueError(f"the checkpoint's privacy record says {released} rounds were released, fewer than its "
+                         f"{step} steps: the record is damaged or from another run")
+    prior = without_last_rounds(history, step) if history else []
+    module.engine.federation.round_offset = offset
+    key = None
+    if dp.secure_mode:
+        key = os.urandom(KEY_BYTES)
+        if module._trainer is not None and module.trainer.world_size > 1:
+            key = module.trainer.strategy.broadcast(key, src=0)  # one secret for every rank: the same draws
+    else:
+        rank_zero_warn(f"[lightning_fedmeta] {SEEDED_NOISE_NOTE}; set model.dp.secure_mode: true for a guarantee "
+                       "against them", category=UserWarning)
+    module.engine.use_secret(key)
+    return PrivacyBudget(dp, module.num_sampled / int(module.eligible.numel()), prior, offset)
