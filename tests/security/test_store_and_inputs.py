@@ -13,13 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.checkpointing import CheckpointDamagedError
+from lightning_fedmeta.data.federated import from_client_tensors
+from lightning_fedmeta.data.leaf import LeafDataset
+from lightning_fedmeta.data.lightning_adapter import LightningDataPartition
 from lightning_fedmeta.disk_state import DiskClientStateStore
 from lightning_fedmeta.state import flatten_state
 from tests.helpers import make_trainer, tiny_datamodule
@@ -195,3 +200,144 @@ def test_manifest_counts_shapes_and_dtypes_are_checked_before_anything_is_read(
     edit(saved)
     _restore_refused(saved, tmp_path / "b", match)
     assert not (tmp_path / "b").exists()  # refused before the store made its folder
+
+
+# ----------------------------------------------------------------------------------------------
+# item 15: input data
+# ----------------------------------------------------------------------------------------------
+def _leaf_root(root: Path, train: Any = None, raw: bytes | None = None) -> Path:
+    """A FEMNIST-shaped LEAF folder: one good test file, and a train file with ``train`` (JSON) or ``raw`` bytes."""
+    good = {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": [[0.5] * 784], "y": [1]}}}
+    for split in ("train", "test"):
+        (root / split).mkdir(parents=True)
+    (root / "test" / "t.json").write_text(json.dumps(good))
+    (root / "train" / "t.json").write_bytes(raw if raw is not None else json.dumps(train).encode())
+    return root
+
+
+def _leaf_user(x: Any, y: Any) -> dict[str, Any]:
+    return {"users": ["f0007"], "user_data": {"f0007": {"x": x, "y": y}}}
+
+
+@pytest.mark.parametrize(("pixel", "bad"), [(float("nan"), "NaN"), (float("inf"), "Infinity"), (1e39, "1e+39")])
+def test_leaf_non_finite_pixels_are_refused_naming_the_user_and_the_count(tmp_path: Path, pixel: float,
+                                                                          bad: str) -> None:
+    """JSON's NaN/Infinity, and a number past float32's range (it becomes inf), in 3 pixels of one sample."""
+    train = json.dumps(_leaf_user([[0.5] * 784, [0.5] * 781 + [pixel] * 3], [1, 2]))
+    assert bad in train
+    root = _leaf_root(tmp_path, raw=train.encode())
+    with pytest.raises(ValueError, match=r"FEMNIST user 'f0007' in '.*train/t.json': x holds 3 non-finite pixel"):
+        LeafDataset(str(root)).client_data()
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    ({"user_data": {"u": {"x": [[0.5] * 784], "y": [1]}}}, r"t.json' is not a LEAF file: it needs a 'users' list"),
+    ({"users": ["u"], "num_samples": [1]}, r"t.json' is not a LEAF file: it needs a 'user_data' object"),
+    ({"users": ["u", "v"], "user_data": {"u": {"x": [[0.5] * 784], "y": [1]}}},
+     r"t.json': 'users' and 'user_data' name different users \(e.g. \['v'\]\)"),
+    (_leaf_user(5, [1]), r"user 'f0007' in '.*t.json': 'x' and 'y' must be lists, got int and list"),
+    (_leaf_user([[0.5] * 784], None), r"user 'f0007' in '.*t.json': 'x' and 'y' must be lists, got list and NoneType"),
+    (_leaf_user([[0.5] * 784], [1, 2]), r"user 'f0007' in '.*t.json' has 1 x but 2 y"),
+    (_leaf_user([[0.5] * 10 + ["a"] * 774], [1]), r"FEMNIST user 'f0007' in '.*t.json': x must be lists of 784 num"),
+    (_leaf_user([[0.5] * 784], ["one"]), r"FEMNIST user 'f0007' in '.*t.json': x must be lists of 784 numbers and y"),
+    (_leaf_user([[0.5] * 784], [62]), r"FEMNIST user 'f0007' in '.*t.json': y must be integer class ids in \[0, 62\)"),
+    ([1, 2], r"t.json' is not a LEAF file: it needs a 'user_data' object"),
+], ids=["no-users", "no-user_data", "users-differ", "x-number", "y-null", "length", "x-text", "y-text",
+        "y-range", "a-list"])
+def test_malformed_leaf_files_are_refused_in_one_line_naming_the_file(tmp_path: Path, content: Any,
+                                                                     match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        LeafDataset(str(_leaf_root(tmp_path, content))).client_data()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("raw", "match"), [(b"\xff\xfe\x00binary", r"t.json' is not a LEAF file: it is not UTF-8"),
+                                            (b'{"users": [', r"t.json' is not valid JSON")], ids=["binary", "cut"])
+def test_leaf_files_that_are_not_json_are_refused_naming_the_file(tmp_path: Path, raw: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LeafDataset(str(_leaf_root(tmp_path, raw=raw))).client_data()
+
+
+def _clients(**change: Tensor) -> list[tuple[Tensor, ...]]:
+    """Three clients of 4 train and 2 test samples, 3 features, labels in 0..2; ``change`` replaces client 1's
+    ``trx``/``try_``/``tex``/``tey``."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(3):
+        parts = {"trx": torch.randn(4, 3, generator=g), "try_": torch.tensor([0, 1, 2, 0]),
+                 "tex": torch.randn(2, 3, generator=g), "tey": torch.tensor([1, 2])}
+        if i == 1:
+            parts.update(change)
+        out.append((parts["trx"], parts["try_"], parts["tex"], parts["tey"]))
+    return out
+
+
+def test_non_finite_client_data_is_refused_naming_the_client_and_the_count() -> None:
+    x = torch.randn(4, 3)
+    x[1, 2], x[3, 0] = float("nan"), float("-inf")
+    with pytest.raises(ValueError, match=r"client 'bob' \(index 1\) has 2 non-finite values \(NaN or inf\) in its "
+                                         r"train inputs \(the first: nan\); 1 of 3 clients"):
+        from_client_tensors(_clients(trx=x), 3, ["amy", "bob", "cat"])
+    regression = [(trx, trx.sum(1), tex, tex.sum(1)) for trx, _, tex, _ in _clients()]
+    regression[2] = (*regression[2][:3], torch.tensor([0.0, float("inf")]))
+    with pytest.raises(ValueError, match=r"client 'client_2' \(index 2\) has 1 non-finite .* test targets"):
+        from_client_tensors(regression, None)
+
+
+_OUTSIDE = r"1 labels outside \[0, num_classes=3\) in its"
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"try_": torch.tensor([0, 1, 3, 0])}, _OUTSIDE + r" train targets \(the first: 3\)"),
+    ({"tey": torch.tensor([7, 1])}, _OUTSIDE + r" test targets \(the first: 7\)"),
+    ({"try_": torch.tensor([0, -1, 2, 0])}, _OUTSIDE + r" train targets \(the first: -1\)"),
+], ids=["train-too-big", "test-too-big", "negative"])
+def test_labels_outside_num_classes_are_refused_naming_the_client(change: dict[str, Tensor], match: str) -> None:
+    """A label past num_classes was a raw IndexError at the first label count; -1 was counted as the last class."""
+    with pytest.raises(ValueError, match=r"client 'client_1' \(index 1\) has " + match):
+        from_client_tensors(_clients(**change), 3)
+
+
+class _Loaders(L.LightningDataModule):
+    """20 train and 12 test samples of 4 features, labels 0..2, ``num_classes = 3``; ``train_y``/``test_y``/
+    ``train_x`` replace the defaults."""
+
+    num_classes = 3
+
+    def __init__(self, **given: Tensor) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.data = {"train_x": torch.randn(20, 4, generator=g), "train_y": torch.arange(20) % 3,
+                     "test_x": torch.randn(12, 4, generator=g), "test_y": torch.arange(12) % 3, **given}
+
+    def _loader(self, split: str) -> Any:
+        return DataLoader(TensorDataset(self.data[f"{split}_x"], self.data[f"{split}_y"]), batch_size=8)
+
+    def train_dataloader(self) -> Any:
+        return self._loader("train")
+
+    def test_dataloader(self) -> Any:
+        return self._loader("test")
+
+
+def _with(values: Tensor, index: int, value: float) -> Tensor:
+    out = values.clone()
+    out.view(-1)[index] = value
+    return out
+
+
+@pytest.mark.parametrize(("given", "partition", "match"), [
+    ({"train_y": _with(torch.arange(20) % 3, 5, 5)}, "iid",
+     r"train_dataloader\(\) gave 1 labels outside \[0, num_classes=3\), the first in sample 5 \(5\)"),
+    ({"train_y": _with(torch.arange(20) % 3, 5, 5)}, "dirichlet", r"train_dataloader\(\) gave 1 labels outside"),
+    ({"test_y": _with(torch.arange(12) % 3, 9, 7)}, "iid",
+     r"test_dataloader\(\) gave 1 labels outside \[0, num_classes=3\), the first in sample 9 \(7\)"),
+    ({"train_x": _with(torch.zeros(20, 4), 13, float("nan"))}, "iid",
+     r"train_dataloader\(\) gave 1 input values that are not finite \(NaN or inf\), the first in sample 3 \(nan\)"),
+], ids=["train-label", "train-label-dirichlet", "test-label", "nan-input"])
+def test_lightning_data_partition_refuses_bad_samples_naming_the_loader_and_sample(
+        given: dict[str, Tensor], partition: str, match: str) -> None:
+    """Before: an IndexError at the first label count, a test label past num_classes dropped by the matching test
+    split without a word, a NaN input accepted."""
+    with pytest.raises(ValueError, match=match):
+        LightningDataPartition(_Loaders(**given), num_clients=2, partition=partition).client_data()
