@@ -18,6 +18,9 @@ What lives where (docs/scale.md, "Client state on disk"):
   list of segments with their SHA-256. Restoring any checkpoint (:meth:`restore`) rebuilds fresh working files
   from the template and those segments, in order, after checking every checksum, so a run resumes bit for bit
   from the last *or any earlier* checkpoint. A checkpoint costs the rows written since the last one (not K rows).
+  The store is always rebuilt in the current run's folder; the folder a manifest names is only read (its segments
+  are linked or copied over), and every field of a manifest and of a segment header is checked before it is used
+  (:mod:`lightning_fedmeta.disk_manifest`): the manifest is data whoever wrote the checkpoint controls.
 
 Why raw row-major files: a gather/scatter of ``C`` rows touches ``C`` rows of the file and nothing else; any torch
 dtype works (bytes viewed as the dtype, so ``bfloat16`` too); there is no format library to keep up with; and the
