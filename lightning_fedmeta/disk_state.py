@@ -18,6 +18,9 @@ What lives where (docs/scale.md, "Client state on disk"):
   list of segments with their SHA-256. Restoring any checkpoint (:meth:`restore`) rebuilds fresh working files
   from the template and those segments, in order, after checking every checksum, so a run resumes bit for bit
   from the last *or any earlier* checkpoint. A checkpoint costs the rows written since the last one (not K rows).
+  The store is always rebuilt in the current run's folder; the folder a manifest names is only read (its segments
+  are linked or copied over), and every field of a manifest and of a segment header is checked before it is used
+  (:mod:`lightning_fedmeta.disk_manifest`): the manifest is data whoever wrote the checkpoint controls.
 
 Why raw row-major files: a gather/scatter of ``C`` rows touches ``C`` rows of the file and nothing else; any torch
 dtype works (bytes viewed as the dtype, so ``bfloat16`` too); there is no format library to keep up with; and the
@@ -54,6 +57,7 @@ from torch import Tensor
 
 from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, partial_file, publish, sync_file
 from lightning_fedmeta.checkpointing import CheckpointDamagedError, _pid_alive
+from lightning_fedmeta.disk_manifest import Block, check_manifest, check_segment_header, refuse, segment_path
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
 __all__ = [
@@ -69,13 +73,6 @@ _MAGIC = b"FEDSEG01"
 _ALIGN = 64
 _COPY_ROWS_BYTES = 64 * 2**20  # rows are copied between files in blocks of at most this many bytes
 _HASH_BLOCK = 8 * 2**20
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a client state segment")
-    return dtype
 
 
 def _row_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -239,56 +236,73 @@ def write_segment(directory: str, tag: int, clients: Tensor, rows: Callable[[str
     return {"file": name, "sha256": sha, "rows": n}
 
 
+def _verify(path: str, sha256: str) -> None:
+    """:class:`CheckpointDamagedError` unless the file at ``path`` has the SHA-256 ``sha256``."""
+    if (actual := _sha256_file(path)) != sha256:
+        raise CheckpointDamagedError(
+            f"the client state segment {path} is damaged: its SHA-256 is {actual}, the checkpoint recorded {sha256}"
+        )
+
+
+def _segment_header(path: str, raw: np.ndarray) -> tuple[Any, int]:
+    """The parsed JSON header of a segment and the offset of its first block (refused if it runs past the end)."""
+    if len(raw) < 16 or bytes(raw[:8]) != _MAGIC:
+        raise CheckpointDamagedError(f"{path} is not a client state segment (bad magic bytes)")
+    (head_len,) = struct.unpack("<Q", bytes(raw[8:16]))
+    base = 16 + head_len + (-(16 + head_len) % _ALIGN)
+    if base > len(raw):
+        refuse(f"the segment {path}, header length", f"= {head_len} runs past the end of the file ({len(raw)} bytes)")
+    try:
+        return json.loads(bytes(raw[16:16 + head_len])), base
+    except ValueError as exc:  # not JSON, or not UTF-8
+        refuse(f"the segment {path}, header", f"is not JSON ({exc})")
+
+
 def read_segment(path: str, sha256: str | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The client indices and ``{name: [rows, *shape]}`` values of a segment (memory-mapped, read-only views),
-    after checking its SHA-256 against ``sha256`` when given (:class:`CheckpointDamagedError` if it differs)."""
+    after checking its SHA-256 against ``sha256`` when given (:class:`CheckpointDamagedError` if it differs) and
+    every offset, size, shape and dtype of its header against the file
+    (:func:`~lightning_fedmeta.disk_manifest.check_segment_header`)."""
     if not os.path.isfile(path):
         raise CheckpointDamagedError(
             f"the client state segment {path} that this checkpoint references is missing: the checkpoint's "
             "client state cannot be rebuilt (model.client_state_dir must point at the folder the run wrote, with "
             "its rank-<r>/segments files)"
         )
-    if sha256 is not None and (actual := _sha256_file(path)) != sha256:
-        raise CheckpointDamagedError(
-            f"the client state segment {path} is damaged: its SHA-256 is {actual}, the checkpoint recorded {sha256}"
-        )
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    if bytes(raw[:8]) != _MAGIC:
-        raise CheckpointDamagedError(f"{path} is not a client state segment (bad magic bytes)")
-    (head_len,) = struct.unpack("<Q", bytes(raw[8:16]))
-    header = json.loads(bytes(raw[16:16 + head_len]))
-    base = 16 + head_len + (-(16 + head_len) % _ALIGN)
-    n = int(header["rows"])
+    if sha256 is not None:
+        _verify(path, sha256)
+    size = os.path.getsize(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, dtype=np.uint8)
+    header, base = _segment_header(path, raw)
+    n, clients, blocks = check_segment_header(path, header, len(raw) - base)
 
-    def view(spec: Mapping[str, Any], dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-        if spec["nbytes"] == 0:
-            return torch.empty((n, *shape), dtype=dtype)
-        start = base + int(spec["offset"])
-        chunk = raw[start:start + int(spec["nbytes"])]
+    def view(block: Block) -> Tensor:
+        if block.nbytes == 0:
+            return torch.empty((n, *block.shape), dtype=block.dtype)
+        chunk = raw[base + block.offset:base + block.offset + block.nbytes]
         with warnings.catch_warnings():  # a read-only mapping: the views are only read
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(chunk, dtype=torch.uint8)
-        return flat.view(dtype).view(n, *shape)
+        return flat.view(block.dtype).view(n, *block.shape)
 
-    clients = view(header["clients"], torch.int64, ())
-    values = {name: view(spec, _dtype(spec["dtype"]), tuple(spec["shape"])) for name, spec in header["entries"].items()}
-    return clients, values
+    return view(clients), {name: view(block) for name, block in blocks.items()}
 
 
-def _copy_segment(path: str, directory: str) -> None:
+def _copy_segment(path: str, directory: str, sha256: str) -> str:
     """Put the segment at ``path`` into ``directory`` (a hard link when the file system allows, else a copy;
-    atomic either way), so the checkpoints of a run that resumed into another folder reference only its own."""
+    atomic either way) after checking the SHA-256 of what arrived, so the checkpoints of a run that resumed into
+    another folder reference only its own files. ``path``'s folder is only read. Returns the new path."""
     target = os.path.join(directory, os.path.basename(path))
-    if os.path.exists(target):
-        return
     with partial_file(directory, ".copy", sep="-") as tmp:
         try:
-            os.link(path, tmp)
+            os.link(os.path.realpath(path), tmp)
         except OSError:
             shutil.copyfile(path, tmp)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
+        _verify(tmp, sha256)
         publish(tmp, target)
+    return target
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,39 +518,74 @@ class DiskClientStateStore:
         }
 
     @classmethod
-    def restore(cls, manifest: Mapping[str, Any], root: str | os.PathLike[str] | None = None, rank: int = 0,
+    def restore(cls, manifest: Mapping[str, Any], root: str | os.PathLike[str], rank: int = 0,
                 option: str = "model.client_state_dir") -> DiskClientStateStore:
-        """The store a checkpoint's manifest describes, rebuilt in fresh working files from its template and its
-        segments (each checked against its SHA-256; a missing or damaged one raises
-        :class:`~lightning_fedmeta.checkpointing.CheckpointDamagedError`). Segments are looked for in
-        ``<root>/rank-<rank>/segments``, then ``rank-0`` (a shared folder), then the same in the folder the manifest
-        was written from (``root`` defaults to it); those found elsewhere are linked or copied into this store's
-        folder."""
+        """The store a checkpoint's manifest describes, rebuilt in fresh working files under ``root`` (the current
+        run's folder: every later segment is written there) from its template and its segments.
+
+        The manifest is checked first (:func:`~lightning_fedmeta.disk_manifest.check_manifest`: names, counts,
+        shapes, dtypes). Segments are looked for in ``<root>/rank-<rank>/segments``, then ``rank-0`` (a shared
+        folder), then the same in the folder the manifest was written from, which is only read: a segment found
+        there is hard-linked or copied into this store's folder and its SHA-256 checked there. A missing, damaged
+        or inconsistent segment raises :class:`~lightning_fedmeta.checkpointing.CheckpointDamagedError`."""
         if not is_disk_manifest(manifest):
             raise ValueError("not a disk client state manifest")
-        root = os.path.abspath(os.fspath(root if root is not None else manifest["directory"]))
-        entries = {k: (tuple(e["shape"]), _dtype(e["dtype"])) for k, e in manifest["entries"].items()}
-        template = manifest.get("template")
-        store = cls(root, int(manifest["num_clients"]), entries, template, rank, option)
-        written = os.path.abspath(os.fspath(manifest["directory"]))
-        places = list(dict.fromkeys(os.path.join(r, sub, "segments") for r in (root, written)
-                                    for sub in (f"rank-{store.rank}", "rank-0")))
-        for record in manifest["segments"]:
-            path = next((p for d in places if os.path.isfile(p := os.path.join(d, record["file"]))),
-                        os.path.join(store.segment_directory, record["file"]))
-            clients, values = read_segment(path, record["sha256"])
-            if os.path.dirname(path) != store.segment_directory:  # keep every folder self-contained
-                _copy_segment(path, store.segment_directory)
-            if set(values) != set(entries) or clients.numel() != int(record["rows"]):
-                raise CheckpointDamagedError(f"the client state segment {path} does not match its checkpoint")
-            step = max(1, _COPY_ROWS_BYTES // max(1, store.row_bytes()))
-            for start in range(0, clients.numel(), step):
-                block = clients[start:start + step]
-                for name, rowfile in store._files.items():
-                    rowfile.write(block, values[name][start:start + step])
-                store.written[block] = True
-            store.segments.append(dict(record))
+        spec = check_manifest(manifest)
+        store = cls(root, spec.num_clients, spec.entries, spec.template, rank, option)
+        try:
+            sources = store._segment_sources(spec.directory)
+            for i, record in enumerate(spec.segments):
+                path = store._adopt_segment(record, sources, f"manifest entry segments[{i}].file")
+                store._apply_segment(path, record, *read_segment(path))
+                store.segments.append(record)
+        except BaseException:
+            store.close()
+            raise
         return store
+
+    def _segment_sources(self, written: str | None) -> list[str]:
+        """The folders a segment is looked for in: this store's own first, then the run that wrote the manifest."""
+        roots = [self.root] + ([os.path.abspath(written)] if written else [])
+        return list(dict.fromkeys(os.path.join(r, sub, "segments") for r in roots
+                                  for sub in (f"rank-{self.rank}", "rank-0")))
+
+    def _adopt_segment(self, record: Mapping[str, Any], sources: list[str], where: str) -> str:
+        """The path, in this store's own folder, of the segment ``record`` names, its SHA-256 checked (copied or
+        linked there from the first other folder that has it)."""
+        for directory in sources:
+            found = segment_path(directory, record["file"], where)
+            if found is not None and directory == self.segment_directory:
+                _verify(found, record["sha256"])
+                return found
+            if found is not None:
+                break
+        else:
+            raise CheckpointDamagedError(
+                f"the client state segment {record['file']} that this checkpoint references is missing: looked for "
+                f"in {', '.join(sources)}; the checkpoint's client state cannot be rebuilt (model.client_state_dir, or "
+                "the folder the checkpoint was written from, must hold the run's rank-<r>/segments files)"
+            )
+        return _copy_segment(found, self.segment_directory, record["sha256"])
+
+    def _apply_segment(self, path: str, record: Mapping[str, Any], clients: Tensor,
+                       values: Mapping[str, Tensor]) -> None:
+        """Write a segment's rows into the working files, after checking it holds the manifest's entries and
+        ``record["rows"]`` rows of clients inside ``0..K-1``."""
+        got = {k: (tuple(v.shape[1:]), v.dtype) for k, v in values.items()}
+        if got != self.entries or clients.numel() != record["rows"]:
+            raise CheckpointDamagedError(
+                f"the client state segment {path} does not match its checkpoint: it holds {clients.numel()} rows "
+                f"of {got}, the manifest {record['rows']} rows of {self.entries}"
+            )
+        if clients.numel() and not (0 <= int(clients.min()) and int(clients.max()) < self.num_clients):
+            refuse(f"the segment {path}", f"holds client indices {int(clients.min())}..{int(clients.max())}, "
+                   f"outside the manifest's 0..{self.num_clients - 1}")
+        step = max(1, _COPY_ROWS_BYTES // max(1, self.row_bytes()))
+        for start in range(0, clients.numel(), step):
+            block = clients[start:start + step]
+            for name, rowfile in self._files.items():
+                rowfile.write(block, values[name][start:start + step])
+            self.written[block] = True
 
     def close(self) -> None:
         """Remove the working files (segments stay: checkpoints reference them)."""

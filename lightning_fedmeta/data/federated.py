@@ -183,6 +183,44 @@ class FederatedData:
                     "Use fewer clients, more samples per client, or another partition."
                 )
 
+    def check_values(self) -> None:
+        """Refuse values training cannot use, naming the first client that has them and how many: non-finite
+        (NaN, inf) float inputs or targets, and class ids or next tokens outside ``[0, num_classes)``.
+
+        :func:`from_client_tensors` (every user dataset, LEAF, ``LightningDataPartition``) calls it; call it on a
+        ``FederatedData`` you build yourself. Without it a NaN input surfaces rounds later as a non-finite
+        update that looks like a learning-rate problem, and a label past ``num_classes`` as an ``IndexError``."""
+        for split in ("train", "test"):
+            x, y = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")
+            for what, t in (("inputs", x), ("targets", y)):
+                if t.is_floating_point() or t.is_complex():
+                    self._refuse_rows(split, what, t, ~torch.isfinite(t), "non-finite values (NaN or inf)",
+                                      "clean or drop them before training")
+            if self.task in ("classification", "next_token") and self.num_classes is not None:
+                self._refuse_rows(split, "targets", y, (y < 0) | (y >= self.num_classes),
+                                  f"labels outside [0, num_classes={self.num_classes})",
+                                  "fix the labels, or pass the dataset's true num_classes")
+
+    def _refuse_rows(self, split: str, what: str, values: Tensor, bad: Tensor, kind: str, fix: str) -> None:
+        """A ``ValueError`` naming the first client with a ``True`` in ``bad`` (``[N, ...]``), if any, its count
+        of such values and the first of them."""
+        flat_bad = bad.reshape(bad.shape[0], -1)
+        per_row = flat_bad.sum(1)
+        if not bool(per_row.any()):
+            return
+        offsets = getattr(self, f"{split}_offsets").to(per_row.device)
+        owner = torch.searchsorted(offsets, torch.arange(per_row.numel(), device=per_row.device), right=True) - 1
+        per_client = torch.zeros(self.num_clients, dtype=torch.long, device=per_row.device)
+        per_client.index_add_(0, owner, per_row.long())
+        first = int(per_client.nonzero()[0, 0])
+        row = int(per_row.nonzero()[0, 0])  # rows are client-major: the first bad row is the first client's
+        value = values.reshape(values.shape[0], -1)[row][flat_bad[row]][0].item()
+        raise ValueError(
+            f"client {self.client_names[first]!r} (index {first}) has {int(per_client[first])} {kind} in its "
+            f"{split} {what} (the first: {value!r}); {int((per_client > 0).sum())} of {self.num_clients} clients "
+            f"have such values: {fix}"
+        )
+
     def to(self, device: torch.device | str) -> FederatedData:
         return FederatedData(
             self.train_x.to(device), self.train_y.to(device), self.train_offsets.to(device),
@@ -227,6 +265,8 @@ def from_client_tensors(
 
     Inputs keep integer dtypes as int64 (tokens) and become float32 otherwise; integer targets become
     int64 (a ``[n, 1]`` column of class ids is flattened to ``[n]``), float or bool targets float32.
+    Non-finite values and labels outside ``[0, num_classes)`` are refused, naming the client
+    (:meth:`FederatedData.check_values`).
     """
     if len(clients) == 0:
         raise ValueError("a federated dataset needs at least one client")
@@ -241,9 +281,11 @@ def from_client_tensors(
         counts = torch.tensor([0] + [t.shape[0] for t in ts], dtype=torch.long)
         return counts.cumsum(0)
 
-    return FederatedData(
+    data = FederatedData(
         train_x=torch.cat(parts["trx"]), train_y=torch.cat(parts["try"]), train_offsets=offsets(parts["try"]),
         test_x=torch.cat(parts["tex"]), test_y=torch.cat(parts["tey"]), test_offsets=offsets(parts["tey"]),
         num_classes=None if num_classes is None else int(num_classes),
         client_names=list(client_names) if client_names else [], task=task,
     )
+    data.check_values()
+    return data

@@ -198,22 +198,8 @@ class LeafDataset(FederatedDataset):
         parts: dict[str, list[_Arrays]] = {}
         unknown: dict[str, int] = {}
         for path in files:
-            with open(path, encoding="utf-8") as f:
-                try:
-                    content = json.load(f)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from err
-            if not isinstance(content, dict) or not isinstance(content.get("user_data"), dict):
-                raise ValueError(
-                    f"{str(path)!r} is not a LEAF file: it needs a 'user_data' object mapping each user to "
-                    "{'x': [...], 'y': [...]} (and a 'users' list)"
-                )
-            for user, data in content["user_data"].items():
-                if not isinstance(data, dict) or "x" not in data or "y" not in data:
-                    raise ValueError(f"user {user!r} in {str(path)!r} needs 'x' and 'y' lists")
-                xs, ys = data["x"], data["y"]
-                if len(xs) != len(ys):
-                    raise ValueError(f"user {user!r} in {str(path)!r} has {len(xs)} x but {len(ys)} y")
+            for user, data in _read_file(path).items():
+                xs, ys = _samples(user, data, path)
                 if not xs:
                     continue
                 if self._kind is None:
@@ -252,6 +238,46 @@ def _resolve_layout(root: Path) -> tuple[Path, Path]:
     raise ValueError(f"LEAF root {str(root)!r} has no {' or '.join(f'{m}/' for m in missing)} folder: {_LAYOUT}")
 
 
+def _read_file(path: Path) -> dict[str, Any]:
+    """The ``user_data`` of one LEAF file, after checking it is JSON with a ``users`` list and a ``user_data``
+    object naming the same users (a ``ValueError`` naming the file and what is wrong)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not a LEAF file: it is not UTF-8 text ({err})") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from err
+    if not isinstance(content, dict) or not isinstance(content.get("user_data"), dict):
+        raise ValueError(
+            f"{str(path)!r} is not a LEAF file: it needs a 'user_data' object mapping each user to "
+            "{'x': [...], 'y': [...]} (and a 'users' list)"
+        )
+    users = content.get("users")
+    if not isinstance(users, list):
+        raise ValueError(f"{str(path)!r} is not a LEAF file: it needs a 'users' list of the user ids in 'user_data', "
+                         f"got {type(users).__name__ if users is not None else 'none'}")
+    listed, given = {str(u) for u in users}, set(content["user_data"])
+    if listed != given:
+        odd = sorted(given - listed)[:3] or sorted(listed - given)[:3]
+        raise ValueError(f"{str(path)!r}: 'users' and 'user_data' name different users (e.g. {odd}); a LEAF file "
+                         "lists every user of 'user_data' in 'users'")
+    return content["user_data"]
+
+
+def _samples(user: str, data: Any, path: Path) -> tuple[list[Any], list[Any]]:
+    """A user's ``x`` and ``y`` lists, of the same length (a ``ValueError`` naming the user and the file)."""
+    if not isinstance(data, dict) or "x" not in data or "y" not in data:
+        raise ValueError(f"user {user!r} in {str(path)!r} needs 'x' and 'y' lists")
+    xs, ys = data["x"], data["y"]
+    if not isinstance(xs, list) or not isinstance(ys, list):
+        raise ValueError(f"user {user!r} in {str(path)!r}: 'x' and 'y' must be lists, got {type(xs).__name__} and "
+                         f"{type(ys).__name__}")
+    if len(xs) != len(ys):
+        raise ValueError(f"user {user!r} in {str(path)!r} has {len(xs)} x but {len(ys)} y")
+    return xs, ys
+
+
 def _detect_kind(x0: Any, path: Path) -> str:
     if isinstance(x0, str):
         return "shakespeare"
@@ -272,6 +298,10 @@ def _femnist(xs: list[Any], ys: list[Any], where: str) -> _Arrays:
         raise ValueError(f"FEMNIST {where}: x must be lists of 784 numbers and y class ids ({err})") from err
     if x.ndim != 2 or x.shape[1] != 784:
         raise ValueError(f"FEMNIST {where}: each x must have 784 pixel values, got an array of shape {x.shape}")
+    bad = int(np.count_nonzero(~np.isfinite(x)))
+    if bad:
+        raise ValueError(f"FEMNIST {where}: x holds {bad} non-finite pixel values (NaN, Infinity, or numbers beyond "
+                         "float32's range); clean the file (LEAF pixels are in [0, 1])")
     if y_raw.ndim != 1 or np.any(y_raw != np.round(y_raw)) or np.any(y_raw < 0) or np.any(y_raw >= FEMNIST_NUM_CLASSES):
         raise ValueError(f"FEMNIST {where}: y must be integer class ids in [0, {FEMNIST_NUM_CLASSES})")
     return x.reshape(-1, 1, 28, 28), y_raw.astype(np.int64)

@@ -128,6 +128,7 @@ class LightningDataPartition(FederatedDataset):
         self._task = task
         self._clients: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
         self._num_classes: int | None = None
+        self._loader_names = {"train": "train_dataloader()", "test": "test_dataloader()"}
 
     @property
     def num_classes(self) -> int | None:  # type: ignore[override]
@@ -157,6 +158,8 @@ class LightningDataPartition(FederatedDataset):
         task = self._task or infer_task(train_x, train_y)
         self._task = task
         self._num_classes = _num_classes(dm, task, train_x, train_y, test_y)
+        for what, (x, y) in (("train", (train_x, train_y)), ("test", (test_x, test_y))):
+            _check_samples(x, y, self._loader_names[what], task, self._num_classes)
         class_ids = train_y.dim() == 1 and not train_y.is_floating_point() and train_y.dtype != torch.bool
 
         k, n_train, n_test = self.num_clients, train_y.shape[0], test_y.shape[0]
@@ -189,6 +192,7 @@ class LightningDataPartition(FederatedDataset):
                 dm.setup("test")
                 test_x, test_y = _gather(dm.test_dataloader(), "test_dataloader()")
             elif is_overridden("val_dataloader", dm, L.LightningDataModule):
+                self._loader_names["test"] = "val_dataloader()"
                 rank_zero_warn(
                     f"{type(dm).__name__} has no test_dataloader(); the clients' test sets come from its "
                     "val_dataloader() samples"
@@ -277,6 +281,24 @@ def _gather(loader: Iterable[Any], what: str) -> tuple[Tensor, Tensor]:
     if not xs:
         raise ValueError(f"{what} yielded no batches")
     return torch.cat(xs), torch.cat(ys)
+
+
+def _check_samples(x: Tensor, y: Tensor, what: str, task: str, num_classes: int | None) -> None:
+    """Refuse, before the split, non-finite inputs or targets and class ids / next tokens outside
+    ``[0, num_classes)``, naming the loader, the first such sample, its value and how many there are (a test
+    label past ``num_classes`` would otherwise be dropped by the matching test split without a word)."""
+    clean = "clean or drop these samples in the datamodule"
+    checks = [(t, ~torch.isfinite(t), f"{name} that are not finite (NaN or inf)", clean)
+              for t, name in ((x, "input values"), (y, "target values")) if t.is_floating_point() or t.is_complex()]
+    if task in ("classification", "next_token") and num_classes is not None and not y.is_floating_point():
+        checks.append((y, (y < 0) | (y >= num_classes), f"labels outside [0, num_classes={num_classes})",
+                       "fix the labels, or give the datamodule the dataset's true num_classes attribute"))
+    for values, bad, kind, fix in checks:
+        flat = bad.reshape(bad.shape[0], -1)
+        if bool(flat.any()):
+            row = int(flat.any(1).nonzero()[0, 0])
+            value = values.reshape(values.shape[0], -1)[row][flat[row]][0].item()
+            raise ValueError(f"{what} gave {int(flat.sum())} {kind}, the first in sample {row} ({value!r}): {fix}")
 
 
 def _num_classes(dm: L.LightningDataModule, task: str, x: Tensor, y: Tensor, test_y: Tensor) -> int | None:

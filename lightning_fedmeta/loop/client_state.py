@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientRecord
 from lightning_fedmeta.disk_state import DiskClientStateStore, is_disk_manifest
+from lightning_fedmeta.disk_state import describe as disk_state_line
 from lightning_fedmeta.functional import Params, weighted_sum
 from lightning_fedmeta.running_stats import client_buffers, prepare_model
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
@@ -102,9 +103,14 @@ def build_client_store(algorithm: Algorithm, params: Params, everyone: ClientRec
 
 def restore_client_store(entry: Mapping[str, Any], where: StoreLocation, old: AnyStore) -> AnyStore:
     """The client state of a checkpoint: a disk store's manifest (rebuilt from its segments) or flat tensors;
-    converted when ``model.client_state`` asks for the other kind. ``old`` is closed."""
+    converted when ``model.client_state`` asks for the other kind. ``old`` is closed.
+
+    A disk store is rebuilt in the *current* run's folder (:meth:`StoreLocation.root`), never in the folder the
+    checkpoint was written from: that one is only read (the segments this run needs are linked or copied), so
+    the new run's checkpoints stay valid when the old run's folder is deleted."""
     if is_disk_manifest(entry):
-        store: AnyStore = DiskClientStateStore.restore(entry, where.directory, rank=where.rank)
+        store: AnyStore = DiskClientStateStore.restore(entry, where.root(), rank=where.rank)
+        rank_zero_info(f"[lightning_fedmeta] resumed the {disk_state_line(store)}")
         if where.mode == "memory":
             memory = ClientStateStore(unflatten_state(store.state_dict()))
             store.close()

@@ -232,10 +232,10 @@ def test_damaged_or_missing_segments_are_refused(tmp_path: Path) -> None:
     data[-1] ^= 0xFF
     segment.write_bytes(bytes(data))
     with pytest.raises(CheckpointDamagedError, match="is damaged: its SHA-256 is"):
-        DiskClientStateStore.restore(manifest)
+        DiskClientStateStore.restore(manifest, tmp_path / "state")
     segment.unlink()
     with pytest.raises(CheckpointDamagedError, match="that this checkpoint references is missing"):
-        DiskClientStateStore.restore(manifest)
+        DiskClientStateStore.restore(manifest, tmp_path / "state")
 
 
 def test_bad_client_state_options_are_refused_clearly(tmp_path: Path) -> None:
