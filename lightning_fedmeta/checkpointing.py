@@ -9,6 +9,8 @@
   (:func:`checkpoint_digests`). :func:`verify_checkpoint` recomputes them on load; a mismatch, a file torch cannot
   read that is not an intact zip archive (truncated, overwritten, random bytes: :func:`diagnose_file`) or a record
   failing its CRC all raise :class:`CheckpointDamagedError` with one message, ``checkpoint PATH is damaged (...)``.
+  Every read is ``torch.load(weights_only=True)``, URLs included; ``weights_only=False`` is refused
+  (:func:`refuse_unsafe_load`, docs/security.md).
   A checkpoint without a checksum (written before it existed) loads with a
   :class:`CheckpointWithoutChecksumWarning`.
 * **Atomic writes.** :class:`AtomicCheckpointIO` writes a checkpoint to a temporary file in the target's folder,
@@ -32,7 +34,9 @@ import contextvars
 import enum
 import hashlib
 import inspect
+import io
 import os
+import pickle
 import re
 import warnings
 import zipfile
@@ -43,7 +47,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
 
@@ -64,6 +67,7 @@ __all__ = [
     "CheckpointSettingsError",
     "CheckpointWithoutChecksumWarning",
     "SettingDifference",
+    "UnsafeCheckpointLoadError",
     "atomic_save",
     "check_resume_settings",
     "checkpoint_digests",
@@ -80,6 +84,7 @@ __all__ = [
     "load_module_checkpoint",
     "loading_path",
     "plain_value",
+    "refuse_unsafe_load",
     "run_settings",
     "seal_checkpoint",
     "settings_message",
@@ -145,6 +150,11 @@ class CheckpointDamagedError(ValueError):
 
 class CheckpointSettingsError(ValueError):
     """A checkpoint loaded with settings other than those it was written with."""
+
+
+class UnsafeCheckpointLoadError(ValueError):
+    """A checkpoint refused because reading it could run code: ``weights_only=False`` was asked for, or the file
+    holds objects ``torch.load(weights_only=True)`` does not load."""
 
 
 class CheckpointWithoutChecksumWarning(UserWarning):
@@ -376,10 +386,61 @@ def diagnose_file(path: Any) -> str | None:
     return None
 
 
+def refuse_unsafe_load(weights_only: bool | None, path: Any = None) -> None:
+    """Refuse ``weights_only=False``: every checkpoint is read with ``torch.load(weights_only=True)``.
+
+    Unpickling with ``weights_only=False`` runs whatever code the file names (a ``__reduce__`` calling
+    ``os.system``), so whoever wrote or serves the file, or a URL's host, would run code here. A checkpoint of
+    :class:`~lightning_fedmeta.FederatedModule` holds plain values only and never needs it.
+
+    Raises:
+        UnsafeCheckpointLoadError: ``weights_only`` is ``False``.
+    """
+    if weights_only is False:
+        where = f" {os.fspath(path)}" if isinstance(path, str | os.PathLike) else ""
+        raise UnsafeCheckpointLoadError(
+            f"refused to load checkpoint{where} with weights_only=False: unpickling it could run code the file "
+            "names. lightning_fedmeta reads every checkpoint with torch.load(weights_only=True), which its own "
+            "checkpoints need; leave weights_only unset (or True). For a file you wrote and trust that holds other "
+            "objects, torch.load it yourself and pass the parts (e.g. model=...) as arguments"
+        )
+
+
+def _torch_load_weights_only(path: Any, map_location: Any) -> Any:
+    """``torch.load(..., weights_only=True)`` of a local path, an fsspec URL (``s3://``, ``http://``, ``file://``,
+    read into memory; Lightning would send ``http`` to ``torch.hub`` with ``weights_only=False`` and a cache
+    keyed by file name alone) or a file object."""
+    if not isinstance(path, str | os.PathLike):
+        return torch.load(path, map_location=map_location, weights_only=True)
+    with get_filesystem(path).open(os.fspath(path), "rb") as fh:
+        source = fh if _is_local(path) else io.BytesIO(fh.read())
+        return torch.load(source, map_location=map_location, weights_only=True)
+
+
 def load_checkpoint_file(path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """``torch.load`` a checkpoint (as Lightning does), turning a failure on a damaged file into
-    :class:`CheckpointDamagedError` (see :func:`diagnose_file`). The checksum is not verified here."""
-    return _read_or_refuse(lambda: pl_load(path, map_location=map_location, weights_only=weights_only), path)
+    """``torch.load`` a checkpoint with ``weights_only=True`` (local or remote: :func:`refuse_unsafe_load`),
+    turning a failure on a damaged file into :class:`CheckpointDamagedError` (see :func:`diagnose_file`). The
+    checksum is not verified here.
+
+    Raises:
+        UnsafeCheckpointLoadError: ``weights_only=False`` was asked for.
+    """
+    refuse_unsafe_load(weights_only, path)
+    return _read_or_refuse(lambda: _torch_load_weights_only(path, map_location), path)
+
+
+def _refused_objects_message(path: Any, exc: Exception) -> str:
+    """The refusal of an intact file that holds objects ``torch.load(weights_only=True)`` does not load (torch's
+    own message goes on to suggest ``weights_only=False``, which would run them)."""
+    where = f"checkpoint {os.fspath(path)}" if isinstance(path, str | os.PathLike) else "the checkpoint being loaded"
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    found = next((ln for ln in lines if "GLOBAL" in ln or "WeightsUnpickler error" in ln), "")
+    found = found or "refused by the weights-only unpickler"
+    return (
+        f"{where} holds objects other than tensors and plain values ({found})"
+        "; it is not loaded, since unpickling them could run code. Checkpoints of lightning_fedmeta hold plain "
+        "values only: use one FederatedModule wrote"
+    )
 
 
 def _read_or_refuse(read: Any, path: Any) -> dict[str, Any]:
@@ -390,6 +451,8 @@ def _read_or_refuse(read: Any, path: Any) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless the file is shown to be damaged
         detail = diagnose_file(path)
+        if detail is None and isinstance(exc, pickle.UnpicklingError):
+            raise UnsafeCheckpointLoadError(_refused_objects_message(path, exc)) from None  # not chained: see below
         if detail is None:
             raise
         # not chained: torch's message about a damaged file would suggest weights_only=False, which is unsafe
@@ -454,9 +517,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
       temporary folder and moved with ``shutil.move``: across file systems (``/tmp`` on tmpfs) that move is a
       copy into the target, which a crash leaves truncated, and nothing is ``fsync``-ed. Remote paths
       (``s3://`` ...) keep Lightning's behaviour.
-    * ``load_checkpoint``: a file torch cannot read raises :class:`CheckpointDamagedError` when it is not an
-      intact archive (:func:`diagnose_file`), and the checksum is verified on the raw file before Lightning
-      migrates it.
+    * ``load_checkpoint``: every file, local or remote (a URL included), is read with ``weights_only=True``
+      and ``weights_only=False`` is refused (:func:`load_checkpoint_file`; Lightning's own reads a URL with
+      ``weights_only=False``, so the file could run code); a file torch cannot read raises
+      :class:`CheckpointDamagedError` when it is not an intact archive (:func:`diagnose_file`), and the checksum
+      is verified on the raw file before Lightning migrates it.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -468,12 +533,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        checkpoint = _read_or_refuse(
-            lambda: super(AtomicCheckpointIO, self).load_checkpoint(
-                path, map_location=map_location, weights_only=weights_only
-            ),
-            path,
-        )
+        refuse_unsafe_load(weights_only, path)
+        if not get_filesystem(path).exists(os.fspath(path)):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        checkpoint = load_checkpoint_file(path, map_location=map_location)
         if isinstance(checkpoint, dict) and "fedmeta" in checkpoint:
             verify_checkpoint(checkpoint, path)
             checkpoint[VERIFIED_MARK] = True

@@ -48,6 +48,7 @@ from lightning_fedmeta.checkpointing import (
     CheckpointDamagedError,
     CheckpointSettingsError,
     SettingDifference,
+    UnsafeCheckpointLoadError,
     compare_algorithms,
     compare_settings,
     describe_algorithm,
@@ -94,6 +95,26 @@ def _check_evaluation_checkpoint(subcommand: str, ckpt_path: Any, untrained: boo
             f"--ckpt_path {ckpt_path} names a checkpoint of a fit run by the same Trainer, and "
             f"`fedmeta {subcommand}` starts a new one; {how}"
         )
+
+
+def _read_checkpoint(ckpt_path: str, weights_only: Any) -> dict[str, Any]:
+    """The checkpoint ``--ckpt_path`` names, local or a URL, read with ``weights_only=True`` and its checksum
+    verified, before anything is built (a remote file is read again by the Trainer, also with
+    ``weights_only=True``: the settings are checked again when it is restored)."""
+    if "://" not in ckpt_path and not Path(ckpt_path).is_file():
+        raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file")
+    try:
+        checkpoint = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=weights_only)
+        if "fedmeta" in checkpoint:
+            verify_checkpoint(checkpoint, ckpt_path)
+    except FileNotFoundError:
+        raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file") from None
+    except (CheckpointDamagedError, UnsafeCheckpointLoadError) as exc:
+        raise FedMetaConfigError(str(exc)) from None
+    if not isinstance(checkpoint, dict):
+        raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: not a checkpoint (a {type(checkpoint).__name__}, "
+                                 "where torch.save of a checkpoint dict was expected)")
+    return checkpoint
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -222,16 +243,9 @@ class FedMetaCLI(LightningCLI):
                 return
             rank_zero_info(f"--ckpt_path last: resuming from {found}")
             cfg.ckpt_path = ckpt_path = found
-        if str(ckpt_path) in ("last", "best", "hpc") or "://" in str(ckpt_path):
-            return  # keywords (refused for validate/test in before_instantiate_classes) and remote files
-        if not Path(ckpt_path).is_file():
-            raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file")
-        try:
-            checkpoint = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=True)
-            if "fedmeta" in checkpoint:
-                verify_checkpoint(checkpoint, ckpt_path)
-        except CheckpointDamagedError as exc:
-            raise FedMetaConfigError(str(exc)) from None
+        if str(ckpt_path) in ("last", "best", "hpc"):
+            return  # keywords (refused for validate/test in before_instantiate_classes)
+        checkpoint = _read_checkpoint(str(ckpt_path), _get(cfg, "weights_only"))
         model_saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
         if "_class_path" in (checkpoint.get("hyper_parameters") or {}):
             return super()._parse_ckpt_path()  # a model given in subclass mode: LightningCLI's own handling
@@ -291,7 +305,8 @@ class FedMetaCLI(LightningCLI):
         :class:`FedMetaConfigError` (message alone, exit status 2), as when the CLI finds them first."""
         try:
             super()._run_subcommand(subcommand)
-        except (CheckpointDamagedError, CheckpointSettingsError, FederatedSetupError) as exc:
+        except (CheckpointDamagedError, CheckpointSettingsError, FederatedSetupError,
+                UnsafeCheckpointLoadError) as exc:
             raise FedMetaConfigError(str(exc)) from exc
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
