@@ -57,6 +57,7 @@ __all__ = [
     "CHANGEABLE_MODEL_SETTINGS",
     "CHECKSUM_KEY",
     "CHECKSUM_SCHEME",
+    "CODE_OR_PATH_SETTINGS",
     "EVALUATION_ONLY_SETTINGS",
     "NOT_CHECKSUMMED",
     "REPORTED_TRAINER_SETTINGS",
@@ -71,6 +72,8 @@ __all__ = [
     "atomic_save",
     "check_resume_settings",
     "checkpoint_digests",
+    "code_or_path_settings",
+    "code_or_path_message",
     "compare_algorithms",
     "compare_settings",
     "damaged_message",
@@ -124,6 +127,18 @@ EVALUATION_ONLY_SETTINGS: dict[str, str] = {
     "algorithm.finetune_steps": "the evaluation-time adaptation",
     "algorithm.finetune_lr": "the evaluation-time adaptation",
     "algorithm.finetune_batch_size": "the evaluation-time adaptation",
+}
+#: settings that name code or a file-system path: never taken from a checkpoint (anyone can write one and re-seal
+#: it), only from the user (command line, config file, keyword arguments); :func:`code_or_path_settings`
+CODE_OR_PATH_SETTINGS: dict[str, str] = {
+    "model.model": "a model class",
+    "model.server_optimizer": "an optimizer class",
+    "model.server_lr_scheduler": "a learning-rate scheduler class",
+    "model.loss": "a loss function to import (the built-in names are plain values)",
+    "model.client_state_dir": "a folder",
+    "model.algorithm.similarity": "a file to read (mtl_pairwise)",
+    "data.root": "a folder to read data files from",
+    "data.dataset": "a dataset class (the built-in names are plain values)",
 }
 #: trainer settings recorded in ``checkpoint["fedmeta"]["trainer"]``: a resumed run uses its own and says so
 REPORTED_TRAINER_SETTINGS: tuple[str, ...] = ("max_steps", "precision", "accelerator", "world_size")
@@ -594,6 +609,8 @@ def load_module_checkpoint(
             checkpoint["hyper_parameters"] = load_hparams_from_yaml(hparams_file)
         else:
             raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
+    else:
+        _refuse_code_or_paths(cls, checkpoint, kwargs, checkpoint_path)
     checkpoint.setdefault("hyper_parameters", {})
     token = _LOADING_PATH.set(path)
     try:
@@ -606,6 +623,27 @@ def load_module_checkpoint(
         return model
     device = next((t for t in state_dict.values() if isinstance(t, Tensor)), torch.tensor(0)).device
     return model.to(device)
+
+
+def _refuse_code_or_paths(cls: type, checkpoint: Mapping[str, Any], kwargs: Mapping[str, Any], path: Any) -> None:
+    """Refuse hyper-parameters ``load_module_checkpoint`` would take from the checkpoint (not in ``kwargs``, other
+    than ``cls``'s defaults) that name code or paths (:func:`code_or_path_settings`; ``_class_path`` included:
+    Lightning imports it), naming the keyword arguments that give them."""
+    saved = checkpoint.get("hyper_parameters") or {}
+    if not isinstance(saved, Mapping):
+        return
+    defaults = signature_defaults(cls)
+    taken = {k: v for k, v in saved.items() if k not in kwargs and not str(k).startswith("_")
+             and not (k in defaults and plain_value(v) == plain_value(defaults[k]))}
+    refused = code_or_path_settings("model", taken)
+    if saved.get("_class_path") is not None:
+        refused.append(f"_class_path={saved['_class_path']!r}")
+    if refused:
+        names = sorted({r.split("=", 1)[0].split(".")[1] for r in refused if r.startswith("model.")})
+        how = ", ".join(f"{n}=..." for n in names) or "..."
+        raise CheckpointSettingsError(code_or_path_message(
+            path if isinstance(path, str | os.PathLike) else None, refused,
+            f"If you trust them, pass them yourself: {cls.__name__}.load_from_checkpoint(path, {how})"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -749,6 +787,53 @@ def settings_message(path: Any, refused: list[SettingDifference], evaluating: bo
         f"{where} was written with other settings than this run's; {action} it would mix two experiments:\n{lines}\n"
         f"Use the checkpoint's values (the configuration of the run that wrote it), or start a new run without "
         f"the checkpoint. Settings that may change: {', '.join(allowed)} and the trainer's"
+    )
+
+
+def _names_a_class(value: Any) -> bool:
+    """Whether ``value`` holds a ``class_path`` (jsonargparse imports and builds the class it names) anywhere."""
+    value = plain_value(value)
+    if isinstance(value, dict):
+        return "class_path" in value or any(_names_a_class(v) for v in value.values())
+    return isinstance(value, list) and any(_names_a_class(v) for v in value)
+
+
+def _code_or_path(name: str, value: Any) -> bool:
+    """Whether ``value`` of setting ``name`` (``model.loss``, ...) names code or a file-system path."""
+    from lightning_fedmeta.losses import LOSSES
+
+    if _names_a_class(value):
+        return True
+    if value is None or name not in CODE_OR_PATH_SETTINGS:
+        return False
+    if name == "model.loss" or name == "data.dataset":
+        return not (isinstance(value, str) and (name == "data.dataset" or value in LOSSES))
+    return True
+
+
+def code_or_path_settings(prefix: str, taken: Mapping[str, Any]) -> list[str]:
+    """The settings among ``taken`` (``{key: value}`` about to be taken from a checkpoint, ``prefix`` ``"model"``
+    or ``"data"``) that name code or a file-system path (:data:`CODE_OR_PATH_SETTINGS`, or any ``class_path``),
+    as ``"model.loss='pkg.mod.fn'"``; an algorithm's hyper-parameters are looked at one by one."""
+    out = []
+    for key in sorted(taken, key=str):
+        value = plain_value(taken[key])
+        if key == "algorithm" and isinstance(value, dict) and not _names_a_class(value):
+            out += [f"{prefix}.algorithm.{k}={v!r}" for k, v in sorted(value.items())
+                    if _code_or_path(f"{prefix}.algorithm.{k}", v)]
+        elif _code_or_path(f"{prefix}.{key}", value):
+            out.append(f"{prefix}.{key}={value!r}")
+    return out
+
+
+def code_or_path_message(path: Any, refused: list[str], how: str) -> str:
+    """The refusal of checkpoint settings that name code or paths the user did not give; ``how`` says how to give
+    them (the command-line flags, or the keyword arguments)."""
+    where = f"checkpoint {os.fspath(path)}" if isinstance(path, str | os.PathLike) else "the checkpoint"
+    return (
+        f"{where} names code or file-system paths for settings this run did not give: {', '.join(refused)}. "
+        "Settings taken from a checkpoint must be plain values (anyone who can write the file, or re-seal it, "
+        f"chooses them), so these are not used. {how}"
     )
 
 

@@ -49,6 +49,8 @@ from lightning_fedmeta.checkpointing import (
     CheckpointSettingsError,
     SettingDifference,
     UnsafeCheckpointLoadError,
+    code_or_path_message,
+    code_or_path_settings,
     compare_algorithms,
     compare_settings,
     describe_algorithm,
@@ -247,8 +249,12 @@ class FedMetaCLI(LightningCLI):
             return  # keywords (refused for validate/test in before_instantiate_classes)
         checkpoint = _read_checkpoint(str(ckpt_path), _get(cfg, "weights_only"))
         model_saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
-        if "_class_path" in (checkpoint.get("hyper_parameters") or {}):
-            return super()._parse_ckpt_path()  # a model given in subclass mode: LightningCLI's own handling
+        class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+        if class_path is not None:  # LightningCLI would import and build the class the file names
+            raise FedMetaConfigError(code_or_path_message(
+                ckpt_path, [f"model class_path={class_path!r}"],
+                "fedmeta builds lightning_fedmeta.FederatedModule; load a checkpoint of a model class of your own "
+                "with your own LightningCLI (subclass_mode_model=True) or its load_from_checkpoint"))
         data_saved = {
             k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")
         }
@@ -283,6 +289,7 @@ class FedMetaCLI(LightningCLI):
         # the allowed differences keep the given values; FederatedModule.on_load_checkpoint reports them
         fill_model = {k: v for k, v in model_saved.items() if k not in model_given and k in model_now}
         fill_data = {k: v for k, v in data_saved.items() if k not in data_given and k in data_now}
+        _refuse_code_or_paths(path, fill_model, model_now, fill_data, data_now)
         taken = [f"model.{k}" for k, v in fill_model.items() if plain_value(v) != plain_value(model_now.get(k))]
         taken += [f"data.{k}" for k, v in fill_data.items() if plain_value(v) != plain_value(data_now.get(k))]
         if fill_model or fill_data:
@@ -373,6 +380,23 @@ class FedMetaCLI(LightningCLI):
             callbacks.append(RoundProgressBar())
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
+
+
+def _refuse_code_or_paths(path: str, fill_model: dict[str, Any], model_now: dict[str, Any],
+                          fill_data: dict[str, Any], data_now: dict[str, Any]) -> None:
+    """Refuse settings about to be taken from the checkpoint (the user did not give them; their value differs from
+    this run's) that name code or file-system paths (:func:`~lightning_fedmeta.checkpointing.code_or_path_settings`):
+    a checkpoint of plain values naming ``data.root`` would make the run read files there, ``model.loss: pkg.mod.f``
+    import a module."""
+    refused = code_or_path_settings(
+        "model", {k: v for k, v in fill_model.items() if plain_value(v) != plain_value(model_now.get(k))})
+    refused += code_or_path_settings(
+        "data", {k: v for k, v in fill_data.items() if plain_value(v) != plain_value(data_now.get(k))})
+    if refused:
+        flags = " ".join(f"--{r.split('=', 1)[0]} VALUE" for r in refused)
+        raise FedMetaConfigError(code_or_path_message(
+            path, refused, f"If you trust them, give them yourself ({flags}, or in the --config file); otherwise "
+            "give your own values"))
 
 
 def _as_dict(node: Any) -> dict[str, Any]:

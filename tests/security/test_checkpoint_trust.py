@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import functools
 import http.server
+import pickle
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.checkpointing import seal_checkpoint
 from lightning_fedmeta.cli import FedMetaConfigError, run
+from lightning_fedmeta.data.datasets import read_cifar_batch
 from tests.helpers import make_trainer, tiny_datamodule, tiny_module
 
 FEDAVG = {"name": "fedavg", "local_lr": 0.2, "local_steps": 2, "batch_size": 4}
@@ -131,3 +136,137 @@ def test_a_genuine_checkpoint_still_loads_from_a_url(served: tuple[Path, str], g
     local = FederatedModule.load_from_checkpoint(good_ckpt, model=torch.nn.Linear(5, 3))
     for a, b in zip(loaded.state_dict().values(), local.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# item 5: settings taken from a checkpoint never name code or paths; the CIFAR reader runs no code
+# ----------------------------------------------------------------------------------------------
+CLI_CONFIG = """
+seed_everything: 0
+trainer:
+  max_steps: 2
+  accelerator: cpu
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {every_n_train_steps: 1, save_last: true}
+model:
+  algorithm: {name: fedavg, local_lr: 0.05, local_steps: 2, batch_size: 8}
+  clients_per_round: 3
+  compile_clients: false
+data:
+  dataset: synthetic
+  num_clients: 6
+  eval_every: 2
+plots: false
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The last checkpoint of ``fedmeta fit`` of FedAvg for 2 rounds."""
+    root = tmp_path_factory.mktemp("cli")
+    config = root / "fedavg.yaml"
+    config.write_text(CLI_CONFIG)
+    run(["fit", "--config", str(config), "--trainer.default_root_dir", str(root / "logs")])
+    return root / "logs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def _forged(source: Path, target: Path, model: dict[str, Any] | None = None,
+            data: dict[str, Any] | None = None) -> Path:
+    """``source`` with some hyper-parameters replaced by plain values, re-sealed as anyone can."""
+    checkpoint = torch.load(source, weights_only=True)
+    checkpoint["hyper_parameters"].update(model or {})
+    checkpoint["datamodule_hyper_parameters"].update(data or {})
+    torch.save(seal_checkpoint(checkpoint), target)
+    return target
+
+
+def _malicious_cifar(folder: Path) -> Path:
+    """A CIFAR-10 folder whose every batch file runs code when unpickled; returns the marker it would create."""
+    marker = folder / "code-ran"
+    batches = folder / "cifar-10-batches-py"
+    batches.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(batches / name, "wb") as fh:
+            pickle.dump({b"data": _Payload(marker), b"labels": [0]}, fh)
+    return marker
+
+
+def _importable_module(folder: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    """A module on ``sys.path`` that creates a marker file when imported (an attacker names any installed one)."""
+    name = f"fedmeta_untrusted_{folder.name}"
+    marker = folder / "imported"
+    (folder / f"{name}.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef loss(out, y):\n    return out\n")
+    monkeypatch.syspath_prepend(str(folder))
+    return name, marker
+
+
+def _resume(ckpt: Path, root: Path, *extra: str) -> Any:
+    return run(["fit", "--ckpt_path", str(ckpt), "--trainer.default_root_dir", str(root), "--trainer.max_steps", "3",
+                "--plots", "false", "--trainer.enable_progress_bar", "false", *extra])
+
+
+def test_a_checkpoint_cannot_point_the_data_reader_at_a_folder(cli_ckpt: Path, tmp_path: Path) -> None:
+    """``data.dataset: cifar10`` with ``data.root`` in a forged checkpoint made ``fedmeta fit`` unpickle files
+    there; the root is a path, so it is taken only from the user."""
+    marker = _malicious_cifar(tmp_path / "cifar")
+    forged = _forged(cli_ckpt, tmp_path / "forged.ckpt", data={"dataset": "cifar10", "root": str(tmp_path / "cifar")})
+    with pytest.raises(FedMetaConfigError, match=r"names code or file-system paths .*data\.root=.*--data\.root VALUE"):
+        _resume(forged, tmp_path / "logs")
+    assert not marker.exists()
+
+
+def test_the_cifar_reader_refuses_a_batch_that_would_run_code(cli_ckpt: Path, tmp_path: Path) -> None:
+    """Defence in depth: even a root the user gives holds only data to the CIFAR reader."""
+    marker = _malicious_cifar(tmp_path / "cifar")
+    with pytest.raises(ValueError, match=r"data_batch_1' is not a CIFAR-10 batch: it names builtins\.exec"):
+        read_cifar_batch(tmp_path / "cifar" / "cifar-10-batches-py" / "data_batch_1")
+    forged = _forged(cli_ckpt, tmp_path / "forged.ckpt", data={"dataset": "cifar10"})
+    with pytest.raises(ValueError, match="is not a CIFAR-10 batch"):
+        _resume(forged, tmp_path / "logs", "--data.root", str(tmp_path / "cifar"))
+    assert not marker.exists()
+
+
+def test_a_genuine_cifar_batch_with_numpy_arrays_still_reads(tmp_path: Path) -> None:
+    data = np.arange(2 * 3072, dtype=np.uint8).reshape(2, 3072)
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        path = tmp_path / f"batch{protocol}"
+        with open(path, "wb") as fh:
+            pickle.dump({b"batch_label": b"x", b"data": data, b"labels": [3, 7], b"filenames": [b"a", b"b"]}, fh,
+                        protocol=protocol)
+        x, y = read_cifar_batch(path)
+        assert torch.equal(x.reshape(2, -1), torch.from_numpy(data)) and y.tolist() == [3, 7]
+
+
+@pytest.mark.parametrize("setting", ["loss", "class_path"])
+def test_a_checkpoint_cannot_make_the_cli_import_a_module(
+    cli_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    name, marker = _importable_module(tmp_path, monkeypatch)
+    value = f"{name}.loss" if setting == "loss" else {"class_path": f"{name}.Net", "init_args": {}}
+    key = "loss" if setting == "loss" else "model"
+    forged = _forged(cli_ckpt, tmp_path / "forged.ckpt", model={key: value})
+    with pytest.raises(FedMetaConfigError, match=rf"names code or file-system paths .*model\.{key}="):
+        _resume(forged, tmp_path / "logs")
+    assert not marker.exists() and name not in sys.modules
+
+
+def test_load_from_checkpoint_takes_no_import_path_or_folder_from_the_file(
+    good_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``FederatedModule(loss="pkg.mod.f")`` imports the module: a forged checkpoint must not choose it (nor the
+    disk store's folder); the same values passed by the caller are the caller's choice."""
+    name, marker = _importable_module(tmp_path, monkeypatch)
+    checkpoint = torch.load(good_ckpt, weights_only=True)
+    checkpoint["hyper_parameters"].update(loss=f"{name}.loss", client_state_dir=str(tmp_path / "elsewhere"))
+    forged = tmp_path / "forged.ckpt"
+    torch.save(seal_checkpoint(checkpoint), forged)
+    with pytest.raises(ValueError, match=r"model\.client_state_dir=.*model\.loss=.*"
+                                         r"load_from_checkpoint\(path, client_state_dir=\.\.\., loss=\.\.\.\)"):
+        FederatedModule.load_from_checkpoint(forged, model=torch.nn.Linear(5, 3))
+    assert not marker.exists() and name not in sys.modules
+    loaded = FederatedModule.load_from_checkpoint(forged, model=torch.nn.Linear(5, 3), loss="cross_entropy",
+                                                  client_state_dir=str(tmp_path / "mine"))
+    assert loaded.client_state_dir == str(tmp_path / "mine") and not marker.exists()
