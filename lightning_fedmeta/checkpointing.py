@@ -88,6 +88,7 @@ __all__ = [
     "loading_path",
     "plain_value",
     "refuse_unsafe_load",
+    "remove_stale_partials",
     "run_settings",
     "seal_checkpoint",
     "settings_message",
@@ -490,17 +491,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_partials(directory: str, name: str) -> None:
-    """Remove temporary files an interrupted save of ``name`` left behind (their writer process is gone)."""
+#: the temporary file of an interrupted atomic write: ``.<name>.<pid>.<random>.partial`` (lightning_fedmeta.atomic_io)
+_PARTIAL_NAME = re.compile(rf"^\..+\.(\d+)\.[0-9a-f]+{re.escape(PARTIAL_SUFFIX)}$")
+
+
+def remove_stale_partials(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary files that interrupted saves left in ``directory``, whatever checkpoint they were
+    writing (a killed save of ``epoch=0-step=2.ckpt`` is never retried under that name), when their writer
+    process is gone; returns the paths removed. A live writer's file is kept. Not on Windows (no process ids
+    to check)."""
+    removed: list[str] = []
     if os.name == "nt":
-        return
-    pattern = re.compile(rf"^\.{re.escape(name)}\.(\d+)\.[0-9a-f]+{re.escape(PARTIAL_SUFFIX)}$")
+        return removed
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            match = pattern.match(entry.name)
-            if match and not _pid_alive(int(match.group(1))):
+            match = _PARTIAL_NAME.match(entry.name)
+            if match and entry.is_file() and not _pid_alive(int(match.group(1))):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
+                    removed.append(entry.path)
+    return removed
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -510,10 +520,11 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     flushes and ``fsync``-s it, ``os.replace``-s it over ``path`` (atomic on POSIX and Windows) and
     ``fsync``-s the folder so the rename itself survives a power loss
     (:func:`lightning_fedmeta.atomic_io.atomic_write`). On any error the temporary file is removed and ``path`` is
-    untouched; temporary files of a killed writer are removed by the next save.
+    untouched; temporary files of a killed writer are removed by the next save into the folder
+    (:func:`remove_stale_partials`).
     """
     target = os.path.abspath(os.fspath(path))
-    _remove_stale_partials(*os.path.split(target))
+    remove_stale_partials(os.path.dirname(target))
     atomic_write(target, lambda fh: _serialize(obj, fh))
 
 

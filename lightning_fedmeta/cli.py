@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_fedmeta.checkpointing import (
     CHANGEABLE_DATA_SETTINGS,
@@ -56,6 +56,7 @@ from lightning_fedmeta.checkpointing import (
     describe_algorithm,
     load_checkpoint_file,
     plain_value,
+    remove_stale_partials,
     settings_message,
     verify_checkpoint,
 )
@@ -171,6 +172,16 @@ def find_last_checkpoint(trainer_cfg: Any) -> tuple[str | None, list[str]]:
     return (max(found)[1] if found else None), dirs
 
 
+@rank_zero_only
+def _remove_stale_partials(dirs: Sequence[str]) -> None:
+    """Remove the temporary files of killed saves from the earlier runs' checkpoint folders ``--ckpt_path last``
+    searched: the resumed run writes into a new ``version_N`` folder, so its own saves never clean those."""
+    removed = [path for directory in dirs if os.path.isdir(directory) for path in remove_stale_partials(directory)]
+    if removed:
+        rank_zero_info(f"--ckpt_path last: removed {len(removed)} temporary file(s) of interrupted saves: "
+                       + ", ".join(removed))
+
+
 def _requested_subcommand(args: Any, names: Sequence[str]) -> str | None:
     """The subcommand a command line starts with (``fit ...``), or ``None`` when it does not start with one
     (options first, ``--help``, a dict or Namespace of arguments)."""
@@ -244,6 +255,7 @@ class FedMetaCLI(LightningCLI):
                 cfg.ckpt_path = None
                 return
             rank_zero_info(f"--ckpt_path last: resuming from {found}")
+            _remove_stale_partials(searched)
             cfg.ckpt_path = ckpt_path = found
         if str(ckpt_path) in ("last", "best", "hpc"):
             return  # keywords (refused for validate/test in before_instantiate_classes)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import http.server
+import os
 import pickle
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -270,3 +272,31 @@ def test_load_from_checkpoint_takes_no_import_path_or_folder_from_the_file(
     loaded = FederatedModule.load_from_checkpoint(forged, model=torch.nn.Linear(5, 3), loss="cross_entropy",
                                                   client_state_dir=str(tmp_path / "mine"))
     assert loaded.client_state_dir == str(tmp_path / "mine") and not marker.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# item 16: the temporary files of interrupted saves go away on --ckpt_path last
+# ----------------------------------------------------------------------------------------------
+def _dead_pid() -> int:
+    """The id of a process that has ended (one this test started and waited for)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_ckpt_path_last_removes_the_partial_files_of_a_killed_save(tmp_path: Path) -> None:
+    """A save killed mid-write leaves ``.<name>.<pid>.<random>.partial``; the resumed run writes into a new
+    ``version_1`` folder, so only the resume itself can remove those of ``version_0`` (of any checkpoint name)."""
+    config = tmp_path / "fedavg.yaml"
+    config.write_text(CLI_CONFIG)
+    args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "logs")]
+    run(args)
+    folder = tmp_path / "logs" / "lightning_logs" / "version_0" / "checkpoints"
+    dead, alive = _dead_pid(), os.getpid()
+    stale = [folder / f".last.ckpt.{dead}.0a1b2c3d.partial", folder / f".epoch=0-step=2.ckpt.{dead}.deadbeef.partial"]
+    live = folder / f".last.ckpt.{alive}.00ff00ff.partial"  # a writer still running: kept
+    for path in [*stale, live]:
+        path.write_bytes(b"PK\x03\x04 half a checkpoint")
+    resumed = run([*args, "--ckpt_path", "last", "--trainer.max_steps", "3"])
+    assert resumed.trainer.global_step == 3
+    assert [p for p in stale if p.exists()] == [] and live.exists()
