@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import http.server
+import io
+import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -24,7 +27,8 @@ import torch
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.checkpointing import seal_checkpoint
-from lightning_fedmeta.cli import FedMetaConfigError, run
+from lightning_fedmeta.cli import FedMetaConfigError, main, run
+from lightning_fedmeta.compare import compare_main
 from lightning_fedmeta.data.datasets import read_cifar_batch
 from tests.helpers import make_trainer, tiny_datamodule, tiny_module
 
@@ -300,3 +304,72 @@ def test_ckpt_path_last_removes_the_partial_files_of_a_killed_save(tmp_path: Pat
     resumed = run([*args, "--ckpt_path", "last", "--trainer.max_steps", "3"])
     assert resumed.trainer.global_step == 3
     assert [p for p in stale if p.exists()] == [] and live.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# item 17: fedmeta compare on a malformed history: one line naming the file and what is wrong, status 2
+# ----------------------------------------------------------------------------------------------
+_GOOD_RECORD = {"round": 2, "stage": "val", "metrics": {"val/acc_weighted": 0.5, "val/acc_worst10": 0.1}}
+MALFORMED_HISTORIES: dict[str, tuple[bytes, str]] = {
+    "not-json": (b"{this is not json", r"not JSON: Expecting property name"),
+    "not-utf8": (b'{"history": ["\xff\xfe"]}', r"not UTF-8 text"),
+    "empty": (b"", r"not JSON"),
+    "a-list": (b"[1, 2]", r"expected a JSON object with a 'history' list"),
+    "history-not-list": (b'{"history": {"round": 1}}', r"expected a JSON object with a 'history' list"),
+    "record-not-object": (b'{"history": [1]}', r"history record 0 is int 1, not an object"),
+    "no-round": (b'{"history": [{"stage": "val", "metrics": {}}]}', r"history record 0 has no 'round'"),
+    "round-a-string": (b'{"history": [{"round": "two", "metrics": {}}]}', r"has round 'two', not an integer"),
+    "round-null": (b'{"history": [{"round": null}]}', r"has round None, not an integer"),
+    "metrics-a-list": (b'{"history": [{"round": 1, "metrics": [0.5]}]}', r"has metrics \[0\.5\], not an object"),
+    "metric-a-string": (b'{"history": [{"round": 1, "metrics": {"val/acc_weighted": "high"}}]}',
+                        r"has metric 'val/acc_weighted' = 'high', not a number"),
+    "metric-an-object": (b'{"history": [{"round": 1, "metrics": {"val/acc_weighted": {"x": 1}}}]}',
+                         r"not a number"),
+    "stage-a-number": (b'{"history": [{"round": 1, "stage": 3, "metrics": {}}]}', r"has stage 3, not a string"),
+    "deep": (b'{"history": ' + b"[" * 100000 + b"]" * 100000 + b"}", r"nested too deeply|history record 0"),
+}
+MALFORMED_CSVS: dict[str, tuple[bytes, str]] = {
+    "step-a-word": (b"step,val/acc_weighted\nten,0.5\n", r"line 2, column 'step' holds 'ten', not a number"),
+    "value-a-word": (b"step,val/acc_weighted\n1,high\n", r"line 2, column 'val/acc_weighted' holds 'high'"),
+    "round-a-word": (b"step,val/round,val/acc_weighted\n1,x,0.5\n", r"column 'val/round' holds 'x'"),
+    "binary": (b"step,val/acc_weighted\n\xff\xfe\x00\x01,0.5\n", r"cannot be read as a CSVLogger metrics\.csv"),
+    "nul-byte": (b"step,val/acc_weighted\n1,0.5\x00\n", r"metrics\.csv"),
+}
+
+
+def _compare_fails(path: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``fedmeta compare PATH`` through the console entry point; returns its one line of stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(["compare", str(path), "--out", str(out)])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedmeta: error: ") and str(path) in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("form", sorted(MALFORMED_HISTORIES))
+def test_compare_names_the_file_and_the_fault_of_a_malformed_history(
+    form: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, expected = MALFORMED_HISTORIES[form]
+    path = tmp_path / "fedmeta_history.json"
+    path.write_bytes(content)
+    assert re.search(expected, _compare_fails(path, tmp_path, capsys))
+
+
+@pytest.mark.parametrize("form", sorted(MALFORMED_CSVS))
+def test_compare_names_the_file_and_the_fault_of_a_malformed_metrics_csv(
+    form: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, expected = MALFORMED_CSVS[form]
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(content)
+    assert re.search(expected, _compare_fails(path, tmp_path, capsys))
+
+
+def test_compare_still_reads_a_well_formed_history(tmp_path: Path) -> None:
+    path = tmp_path / "fedmeta_history.json"
+    path.write_text(json.dumps({"history": [_GOOD_RECORD, {"round": 4, "stage": "val",
+                                                           "metrics": {"val/acc_weighted": None}}]}))
+    summaries = compare_main([str(path), "--out", str(tmp_path)], stream=io.StringIO())
+    assert [s["rounds"] for s in summaries.values()] == [2]
