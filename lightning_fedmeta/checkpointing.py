@@ -9,6 +9,8 @@
   (:func:`checkpoint_digests`). :func:`verify_checkpoint` recomputes them on load; a mismatch, a file torch cannot
   read that is not an intact zip archive (truncated, overwritten, random bytes: :func:`diagnose_file`) or a record
   failing its CRC all raise :class:`CheckpointDamagedError` with one message, ``checkpoint PATH is damaged (...)``.
+  Every read is ``torch.load(weights_only=True)``, URLs included; ``weights_only=False`` is refused
+  (:func:`refuse_unsafe_load`, docs/security.md).
   A checkpoint without a checksum (written before it existed) loads with a
   :class:`CheckpointWithoutChecksumWarning`.
 * **Atomic writes.** :class:`AtomicCheckpointIO` writes a checkpoint to a temporary file in the target's folder,
@@ -32,7 +34,9 @@ import contextvars
 import enum
 import hashlib
 import inspect
+import io
 import os
+import pickle
 import re
 import warnings
 import zipfile
@@ -43,7 +47,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
 
@@ -54,6 +57,7 @@ __all__ = [
     "CHANGEABLE_MODEL_SETTINGS",
     "CHECKSUM_KEY",
     "CHECKSUM_SCHEME",
+    "CODE_OR_PATH_SETTINGS",
     "EVALUATION_ONLY_SETTINGS",
     "NOT_CHECKSUMMED",
     "REPORTED_TRAINER_SETTINGS",
@@ -64,9 +68,12 @@ __all__ = [
     "CheckpointSettingsError",
     "CheckpointWithoutChecksumWarning",
     "SettingDifference",
+    "UnsafeCheckpointLoadError",
     "atomic_save",
     "check_resume_settings",
     "checkpoint_digests",
+    "code_or_path_settings",
+    "code_or_path_message",
     "compare_algorithms",
     "compare_settings",
     "damaged_message",
@@ -80,6 +87,8 @@ __all__ = [
     "load_module_checkpoint",
     "loading_path",
     "plain_value",
+    "refuse_unsafe_load",
+    "remove_stale_partials",
     "run_settings",
     "seal_checkpoint",
     "settings_message",
@@ -120,6 +129,18 @@ EVALUATION_ONLY_SETTINGS: dict[str, str] = {
     "algorithm.finetune_lr": "the evaluation-time adaptation",
     "algorithm.finetune_batch_size": "the evaluation-time adaptation",
 }
+#: settings that name code or a file-system path: never taken from a checkpoint (anyone can write one and re-seal
+#: it), only from the user (command line, config file, keyword arguments); :func:`code_or_path_settings`
+CODE_OR_PATH_SETTINGS: dict[str, str] = {
+    "model.model": "a model class",
+    "model.server_optimizer": "an optimizer class",
+    "model.server_lr_scheduler": "a learning-rate scheduler class",
+    "model.loss": "a loss function to import (the built-in names are plain values)",
+    "model.client_state_dir": "a folder",
+    "model.algorithm.similarity": "a file to read (mtl_pairwise)",
+    "data.root": "a folder to read data files from",
+    "data.dataset": "a dataset class (the built-in names are plain values)",
+}
 #: trainer settings recorded in ``checkpoint["fedmeta"]["trainer"]``: a resumed run uses its own and says so
 REPORTED_TRAINER_SETTINGS: tuple[str, ...] = ("max_steps", "precision", "accelerator", "world_size")
 
@@ -145,6 +166,11 @@ class CheckpointDamagedError(ValueError):
 
 class CheckpointSettingsError(ValueError):
     """A checkpoint loaded with settings other than those it was written with."""
+
+
+class UnsafeCheckpointLoadError(ValueError):
+    """A checkpoint refused because reading it could run code: ``weights_only=False`` was asked for, or the file
+    holds objects ``torch.load(weights_only=True)`` does not load."""
 
 
 class CheckpointWithoutChecksumWarning(UserWarning):
@@ -376,10 +402,61 @@ def diagnose_file(path: Any) -> str | None:
     return None
 
 
+def refuse_unsafe_load(weights_only: bool | None, path: Any = None) -> None:
+    """Refuse ``weights_only=False``: every checkpoint is read with ``torch.load(weights_only=True)``.
+
+    Unpickling with ``weights_only=False`` runs whatever code the file names (a ``__reduce__`` calling
+    ``os.system``), so whoever wrote or serves the file, or a URL's host, would run code here. A checkpoint of
+    :class:`~lightning_fedmeta.FederatedModule` holds plain values only and never needs it.
+
+    Raises:
+        UnsafeCheckpointLoadError: ``weights_only`` is ``False``.
+    """
+    if weights_only is False:
+        where = f" {os.fspath(path)}" if isinstance(path, str | os.PathLike) else ""
+        raise UnsafeCheckpointLoadError(
+            f"refused to load checkpoint{where} with weights_only=False: unpickling it could run code the file "
+            "names. lightning_fedmeta reads every checkpoint with torch.load(weights_only=True), which its own "
+            "checkpoints need; leave weights_only unset (or True). For a file you wrote and trust that holds other "
+            "objects, torch.load it yourself and pass the parts (e.g. model=...) as arguments"
+        )
+
+
+def _torch_load_weights_only(path: Any, map_location: Any) -> Any:
+    """``torch.load(..., weights_only=True)`` of a local path, an fsspec URL (``s3://``, ``http://``, ``file://``,
+    read into memory; Lightning would send ``http`` to ``torch.hub`` with ``weights_only=False`` and a cache
+    keyed by file name alone) or a file object."""
+    if not isinstance(path, str | os.PathLike):
+        return torch.load(path, map_location=map_location, weights_only=True)
+    with get_filesystem(path).open(os.fspath(path), "rb") as fh:
+        source = fh if _is_local(path) else io.BytesIO(fh.read())
+        return torch.load(source, map_location=map_location, weights_only=True)
+
+
 def load_checkpoint_file(path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-    """``torch.load`` a checkpoint (as Lightning does), turning a failure on a damaged file into
-    :class:`CheckpointDamagedError` (see :func:`diagnose_file`). The checksum is not verified here."""
-    return _read_or_refuse(lambda: pl_load(path, map_location=map_location, weights_only=weights_only), path)
+    """``torch.load`` a checkpoint with ``weights_only=True`` (local or remote: :func:`refuse_unsafe_load`),
+    turning a failure on a damaged file into :class:`CheckpointDamagedError` (see :func:`diagnose_file`). The
+    checksum is not verified here.
+
+    Raises:
+        UnsafeCheckpointLoadError: ``weights_only=False`` was asked for.
+    """
+    refuse_unsafe_load(weights_only, path)
+    return _read_or_refuse(lambda: _torch_load_weights_only(path, map_location), path)
+
+
+def _refused_objects_message(path: Any, exc: Exception) -> str:
+    """The refusal of an intact file that holds objects ``torch.load(weights_only=True)`` does not load (torch's
+    own message goes on to suggest ``weights_only=False``, which would run them)."""
+    where = f"checkpoint {os.fspath(path)}" if isinstance(path, str | os.PathLike) else "the checkpoint being loaded"
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    found = next((ln for ln in lines if "GLOBAL" in ln or "WeightsUnpickler error" in ln), "")
+    found = found or "refused by the weights-only unpickler"
+    return (
+        f"{where} holds objects other than tensors and plain values ({found})"
+        "; it is not loaded, since unpickling them could run code. Checkpoints of lightning_fedmeta hold plain "
+        "values only: use one FederatedModule wrote"
+    )
 
 
 def _read_or_refuse(read: Any, path: Any) -> dict[str, Any]:
@@ -390,6 +467,8 @@ def _read_or_refuse(read: Any, path: Any) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised unless the file is shown to be damaged
         detail = diagnose_file(path)
+        if detail is None and isinstance(exc, pickle.UnpicklingError):
+            raise UnsafeCheckpointLoadError(_refused_objects_message(path, exc)) from None  # not chained: see below
         if detail is None:
             raise
         # not chained: torch's message about a damaged file would suggest weights_only=False, which is unsafe
@@ -412,17 +491,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_partials(directory: str, name: str) -> None:
-    """Remove temporary files an interrupted save of ``name`` left behind (their writer process is gone)."""
+#: the temporary file of an interrupted atomic write: ``.<name>.<pid>.<random>.partial`` (lightning_fedmeta.atomic_io)
+_PARTIAL_NAME = re.compile(rf"^\..+\.(\d+)\.[0-9a-f]+{re.escape(PARTIAL_SUFFIX)}$")
+
+
+def remove_stale_partials(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary files that interrupted saves left in ``directory``, whatever checkpoint they were
+    writing (a killed save of ``epoch=0-step=2.ckpt`` is never retried under that name), when their writer
+    process is gone; returns the paths removed. A live writer's file is kept. Not on Windows (no process ids
+    to check)."""
+    removed: list[str] = []
     if os.name == "nt":
-        return
-    pattern = re.compile(rf"^\.{re.escape(name)}\.(\d+)\.[0-9a-f]+{re.escape(PARTIAL_SUFFIX)}$")
+        return removed
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            match = pattern.match(entry.name)
-            if match and not _pid_alive(int(match.group(1))):
+            match = _PARTIAL_NAME.match(entry.name)
+            if match and entry.is_file() and not _pid_alive(int(match.group(1))):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
+                    removed.append(entry.path)
+    return removed
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -432,10 +520,11 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     flushes and ``fsync``-s it, ``os.replace``-s it over ``path`` (atomic on POSIX and Windows) and
     ``fsync``-s the folder so the rename itself survives a power loss
     (:func:`lightning_fedmeta.atomic_io.atomic_write`). On any error the temporary file is removed and ``path`` is
-    untouched; temporary files of a killed writer are removed by the next save.
+    untouched; temporary files of a killed writer are removed by the next save into the folder
+    (:func:`remove_stale_partials`).
     """
     target = os.path.abspath(os.fspath(path))
-    _remove_stale_partials(*os.path.split(target))
+    remove_stale_partials(os.path.dirname(target))
     atomic_write(target, lambda fh: _serialize(obj, fh))
 
 
@@ -454,9 +543,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
       temporary folder and moved with ``shutil.move``: across file systems (``/tmp`` on tmpfs) that move is a
       copy into the target, which a crash leaves truncated, and nothing is ``fsync``-ed. Remote paths
       (``s3://`` ...) keep Lightning's behaviour.
-    * ``load_checkpoint``: a file torch cannot read raises :class:`CheckpointDamagedError` when it is not an
-      intact archive (:func:`diagnose_file`), and the checksum is verified on the raw file before Lightning
-      migrates it.
+    * ``load_checkpoint``: every file, local or remote (a URL included), is read with ``weights_only=True``
+      and ``weights_only=False`` is refused (:func:`load_checkpoint_file`; Lightning's own reads a URL with
+      ``weights_only=False``, so the file could run code); a file torch cannot read raises
+      :class:`CheckpointDamagedError` when it is not an intact archive (:func:`diagnose_file`), and the checksum
+      is verified on the raw file before Lightning migrates it.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -468,12 +559,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        checkpoint = _read_or_refuse(
-            lambda: super(AtomicCheckpointIO, self).load_checkpoint(
-                path, map_location=map_location, weights_only=weights_only
-            ),
-            path,
-        )
+        refuse_unsafe_load(weights_only, path)
+        if not get_filesystem(path).exists(os.fspath(path)):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        checkpoint = load_checkpoint_file(path, map_location=map_location)
         if isinstance(checkpoint, dict) and "fedmeta" in checkpoint:
             verify_checkpoint(checkpoint, path)
             checkpoint[VERIFIED_MARK] = True
@@ -531,6 +620,8 @@ def load_module_checkpoint(
             checkpoint["hyper_parameters"] = load_hparams_from_yaml(hparams_file)
         else:
             raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
+    else:
+        _refuse_code_or_paths(cls, checkpoint, kwargs, checkpoint_path)
     checkpoint.setdefault("hyper_parameters", {})
     token = _LOADING_PATH.set(path)
     try:
@@ -543,6 +634,27 @@ def load_module_checkpoint(
         return model
     device = next((t for t in state_dict.values() if isinstance(t, Tensor)), torch.tensor(0)).device
     return model.to(device)
+
+
+def _refuse_code_or_paths(cls: type, checkpoint: Mapping[str, Any], kwargs: Mapping[str, Any], path: Any) -> None:
+    """Refuse hyper-parameters ``load_module_checkpoint`` would take from the checkpoint (not in ``kwargs``, other
+    than ``cls``'s defaults) that name code or paths (:func:`code_or_path_settings`; ``_class_path`` included:
+    Lightning imports it), naming the keyword arguments that give them."""
+    saved = checkpoint.get("hyper_parameters") or {}
+    if not isinstance(saved, Mapping):
+        return
+    defaults = signature_defaults(cls)
+    taken = {k: v for k, v in saved.items() if k not in kwargs and not str(k).startswith("_")
+             and not (k in defaults and plain_value(v) == plain_value(defaults[k]))}
+    refused = code_or_path_settings("model", taken)
+    if saved.get("_class_path") is not None:
+        refused.append(f"_class_path={saved['_class_path']!r}")
+    if refused:
+        names = sorted({r.split("=", 1)[0].split(".")[1] for r in refused if r.startswith("model.")})
+        how = ", ".join(f"{n}=..." for n in names) or "..."
+        raise CheckpointSettingsError(code_or_path_message(
+            path if isinstance(path, str | os.PathLike) else None, refused,
+            f"If you trust them, pass them yourself: {cls.__name__}.load_from_checkpoint(path, {how})"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -686,6 +798,53 @@ def settings_message(path: Any, refused: list[SettingDifference], evaluating: bo
         f"{where} was written with other settings than this run's; {action} it would mix two experiments:\n{lines}\n"
         f"Use the checkpoint's values (the configuration of the run that wrote it), or start a new run without "
         f"the checkpoint. Settings that may change: {', '.join(allowed)} and the trainer's"
+    )
+
+
+def _names_a_class(value: Any) -> bool:
+    """Whether ``value`` holds a ``class_path`` (jsonargparse imports and builds the class it names) anywhere."""
+    value = plain_value(value)
+    if isinstance(value, dict):
+        return "class_path" in value or any(_names_a_class(v) for v in value.values())
+    return isinstance(value, list) and any(_names_a_class(v) for v in value)
+
+
+def _code_or_path(name: str, value: Any) -> bool:
+    """Whether ``value`` of setting ``name`` (``model.loss``, ...) names code or a file-system path."""
+    from lightning_fedmeta.losses import LOSSES
+
+    if _names_a_class(value):
+        return True
+    if value is None or name not in CODE_OR_PATH_SETTINGS:
+        return False
+    if name == "model.loss" or name == "data.dataset":
+        return not (isinstance(value, str) and (name == "data.dataset" or value in LOSSES))
+    return True
+
+
+def code_or_path_settings(prefix: str, taken: Mapping[str, Any]) -> list[str]:
+    """The settings among ``taken`` (``{key: value}`` about to be taken from a checkpoint, ``prefix`` ``"model"``
+    or ``"data"``) that name code or a file-system path (:data:`CODE_OR_PATH_SETTINGS`, or any ``class_path``),
+    as ``"model.loss='pkg.mod.fn'"``; an algorithm's hyper-parameters are looked at one by one."""
+    out = []
+    for key in sorted(taken, key=str):
+        value = plain_value(taken[key])
+        if key == "algorithm" and isinstance(value, dict) and not _names_a_class(value):
+            out += [f"{prefix}.algorithm.{k}={v!r}" for k, v in sorted(value.items())
+                    if _code_or_path(f"{prefix}.algorithm.{k}", v)]
+        elif _code_or_path(f"{prefix}.{key}", value):
+            out.append(f"{prefix}.{key}={value!r}")
+    return out
+
+
+def code_or_path_message(path: Any, refused: list[str], how: str) -> str:
+    """The refusal of checkpoint settings that name code or paths the user did not give; ``how`` says how to give
+    them (the command-line flags, or the keyword arguments)."""
+    where = f"checkpoint {os.fspath(path)}" if isinstance(path, str | os.PathLike) else "the checkpoint"
+    return (
+        f"{where} names code or file-system paths for settings this run did not give: {', '.join(refused)}. "
+        "Settings taken from a checkpoint must be plain values (anyone who can write the file, or re-seal it, "
+        f"chooses them), so these are not used. {how}"
     )
 
 

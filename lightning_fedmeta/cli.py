@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_fedmeta.checkpointing import (
     CHANGEABLE_DATA_SETTINGS,
@@ -48,11 +48,15 @@ from lightning_fedmeta.checkpointing import (
     CheckpointDamagedError,
     CheckpointSettingsError,
     SettingDifference,
+    UnsafeCheckpointLoadError,
+    code_or_path_message,
+    code_or_path_settings,
     compare_algorithms,
     compare_settings,
     describe_algorithm,
     load_checkpoint_file,
     plain_value,
+    remove_stale_partials,
     settings_message,
     verify_checkpoint,
 )
@@ -94,6 +98,26 @@ def _check_evaluation_checkpoint(subcommand: str, ckpt_path: Any, untrained: boo
             f"--ckpt_path {ckpt_path} names a checkpoint of a fit run by the same Trainer, and "
             f"`fedmeta {subcommand}` starts a new one; {how}"
         )
+
+
+def _read_checkpoint(ckpt_path: str, weights_only: Any) -> dict[str, Any]:
+    """The checkpoint ``--ckpt_path`` names, local or a URL, read with ``weights_only=True`` and its checksum
+    verified, before anything is built (a remote file is read again by the Trainer, also with
+    ``weights_only=True``: the settings are checked again when it is restored)."""
+    if "://" not in ckpt_path and not Path(ckpt_path).is_file():
+        raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file")
+    try:
+        checkpoint = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=weights_only)
+        if "fedmeta" in checkpoint:
+            verify_checkpoint(checkpoint, ckpt_path)
+    except FileNotFoundError:
+        raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file") from None
+    except (CheckpointDamagedError, UnsafeCheckpointLoadError) as exc:
+        raise FedMetaConfigError(str(exc)) from None
+    if not isinstance(checkpoint, dict):
+        raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: not a checkpoint (a {type(checkpoint).__name__}, "
+                                 "where torch.save of a checkpoint dict was expected)")
+    return checkpoint
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -146,6 +170,16 @@ def find_last_checkpoint(trainer_cfg: Any) -> tuple[str | None, list[str]]:
                 if entry.is_file() and entry.name.startswith("last") and entry.name.endswith(".ckpt"):
                     found.append((entry.stat().st_mtime_ns, entry.path))
     return (max(found)[1] if found else None), dirs
+
+
+@rank_zero_only
+def _remove_stale_partials(dirs: Sequence[str]) -> None:
+    """Remove the temporary files of killed saves from the earlier runs' checkpoint folders ``--ckpt_path last``
+    searched: the resumed run writes into a new ``version_N`` folder, so its own saves never clean those."""
+    removed = [path for directory in dirs if os.path.isdir(directory) for path in remove_stale_partials(directory)]
+    if removed:
+        rank_zero_info(f"--ckpt_path last: removed {len(removed)} temporary file(s) of interrupted saves: "
+                       + ", ".join(removed))
 
 
 def _requested_subcommand(args: Any, names: Sequence[str]) -> str | None:
@@ -221,20 +255,18 @@ class FedMetaCLI(LightningCLI):
                 cfg.ckpt_path = None
                 return
             rank_zero_info(f"--ckpt_path last: resuming from {found}")
+            _remove_stale_partials(searched)
             cfg.ckpt_path = ckpt_path = found
-        if str(ckpt_path) in ("last", "best", "hpc") or "://" in str(ckpt_path):
-            return  # keywords (refused for validate/test in before_instantiate_classes) and remote files
-        if not Path(ckpt_path).is_file():
-            raise FedMetaConfigError(f"--ckpt_path {ckpt_path}: no such file")
-        try:
-            checkpoint = load_checkpoint_file(ckpt_path, map_location="cpu", weights_only=True)
-            if "fedmeta" in checkpoint:
-                verify_checkpoint(checkpoint, ckpt_path)
-        except CheckpointDamagedError as exc:
-            raise FedMetaConfigError(str(exc)) from None
+        if str(ckpt_path) in ("last", "best", "hpc"):
+            return  # keywords (refused for validate/test in before_instantiate_classes)
+        checkpoint = _read_checkpoint(str(ckpt_path), _get(cfg, "weights_only"))
         model_saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
-        if "_class_path" in (checkpoint.get("hyper_parameters") or {}):
-            return super()._parse_ckpt_path()  # a model given in subclass mode: LightningCLI's own handling
+        class_path = (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+        if class_path is not None:  # LightningCLI would import and build the class the file names
+            raise FedMetaConfigError(code_or_path_message(
+                ckpt_path, [f"model class_path={class_path!r}"],
+                "fedmeta builds lightning_fedmeta.FederatedModule; load a checkpoint of a model class of your own "
+                "with your own LightningCLI (subclass_mode_model=True) or its load_from_checkpoint"))
         data_saved = {
             k: v for k, v in (checkpoint.get("datamodule_hyper_parameters") or {}).items() if not k.startswith("_")
         }
@@ -269,6 +301,7 @@ class FedMetaCLI(LightningCLI):
         # the allowed differences keep the given values; FederatedModule.on_load_checkpoint reports them
         fill_model = {k: v for k, v in model_saved.items() if k not in model_given and k in model_now}
         fill_data = {k: v for k, v in data_saved.items() if k not in data_given and k in data_now}
+        _refuse_code_or_paths(path, fill_model, model_now, fill_data, data_now)
         taken = [f"model.{k}" for k, v in fill_model.items() if plain_value(v) != plain_value(model_now.get(k))]
         taken += [f"data.{k}" for k, v in fill_data.items() if plain_value(v) != plain_value(data_now.get(k))]
         if fill_model or fill_data:
@@ -291,7 +324,8 @@ class FedMetaCLI(LightningCLI):
         :class:`FedMetaConfigError` (message alone, exit status 2), as when the CLI finds them first."""
         try:
             super()._run_subcommand(subcommand)
-        except (CheckpointDamagedError, CheckpointSettingsError, FederatedSetupError) as exc:
+        except (CheckpointDamagedError, CheckpointSettingsError, FederatedSetupError,
+                UnsafeCheckpointLoadError) as exc:
             raise FedMetaConfigError(str(exc)) from exc
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -358,6 +392,23 @@ class FedMetaCLI(LightningCLI):
             callbacks.append(RoundProgressBar())
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
+
+
+def _refuse_code_or_paths(path: str, fill_model: dict[str, Any], model_now: dict[str, Any],
+                          fill_data: dict[str, Any], data_now: dict[str, Any]) -> None:
+    """Refuse settings about to be taken from the checkpoint (the user did not give them; their value differs from
+    this run's) that name code or file-system paths (:func:`~lightning_fedmeta.checkpointing.code_or_path_settings`):
+    a checkpoint of plain values naming ``data.root`` would make the run read files there, ``model.loss: pkg.mod.f``
+    import a module."""
+    refused = code_or_path_settings(
+        "model", {k: v for k, v in fill_model.items() if plain_value(v) != plain_value(model_now.get(k))})
+    refused += code_or_path_settings(
+        "data", {k: v for k, v in fill_data.items() if plain_value(v) != plain_value(data_now.get(k))})
+    if refused:
+        flags = " ".join(f"--{r.split('=', 1)[0]} VALUE" for r in refused)
+        raise FedMetaConfigError(code_or_path_message(
+            path, refused, f"If you trust them, give them yourself ({flags}, or in the --config file); otherwise "
+            "give your own values"))
 
 
 def _as_dict(node: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -81,31 +82,96 @@ def find_history_file(logdir: str | Path) -> Path:
     )
 
 
+def _csv_number(value: str, path: Path, line: int, column: str) -> float:
+    """``float(value)`` of a ``metrics.csv`` cell; a cell that is not a number is a :class:`CompareError` naming
+    the file, the line and the column."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise CompareError(f"{path}: line {line}, column {column!r} holds {value!r}, not a number; "
+                           "metrics.csv is not a CSVLogger file, or it is damaged") from None
+
+
 def _read_csv(path: Path) -> list[dict[str, Any]]:
     """History records from a CSVLogger ``metrics.csv`` (its ``val/`` and ``test/`` columns).
 
     The round of a row is its ``{stage}/round`` column when the module logs one; otherwise it is
     derived from ``step``: Lightning logs a validation inside ``fit`` at ``step = rounds - 1`` (before
     the step counter of the round that triggered it advances) and a test at ``step = rounds``.
+
+    Raises:
+        CompareError: the file cannot be read, is not text, or a cell that must be a number is not one.
     """
     by_key: dict[tuple[int, str], dict[str, float]] = {}
-    with open(path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            if row.get("step") in (None, ""):
-                continue
-            step = int(float(row["step"]))
-            for stage in ("val", "test"):
-                values = {
-                    name: float(v) for name, v in row.items()
-                    if name.startswith(f"{stage}/") and name != f"{stage}/round" and v not in (None, "")
-                }
-                if not values:
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            for line, row in enumerate(csv.DictReader(f), start=2):
+                if row.get("step") in (None, ""):
                     continue
-                explicit = row.get(f"{stage}/round")
-                r = int(float(explicit)) if explicit not in (None, "") else step + (1 if stage == "val" else 0)
-                by_key.setdefault((r, stage), {}).update(values)
+                step = int(_csv_number(row["step"], path, line, "step"))
+                for stage in ("val", "test"):
+                    values = {
+                        str(name): _csv_number(v, path, line, str(name)) for name, v in row.items()
+                        if str(name).startswith(f"{stage}/") and name != f"{stage}/round" and v not in (None, "")
+                    }
+                    if not values:
+                        continue
+                    explicit = row.get(f"{stage}/round")
+                    r = (int(_csv_number(explicit, path, line, f"{stage}/round")) if explicit not in (None, "")
+                         else step + (1 if stage == "val" else 0))
+                    by_key.setdefault((r, stage), {}).update(values)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise CompareError(f"{path}: cannot be read as a CSVLogger metrics.csv ({type(exc).__name__}: {exc})") from None
     ordered = sorted(by_key.items(), key=lambda item: (item[0][0], item[0][1] != "val"))
     return [{"round": r, "stage": s, "metrics": m} for (r, s), m in ordered]
+
+
+#: the shape of a history record, for the messages about a malformed one
+_RECORD_SHAPE = '{"round": integer, "stage": "val" or "test", "metrics": {name: number}}'
+
+
+def _record_problem(record: Any) -> str | None:
+    """What is wrong with one record of a history file's ``history`` list, or ``None``."""
+    if not isinstance(record, Mapping):
+        return f"is {type(record).__name__} {record!r}, not an object"
+    if "round" not in record:
+        return "has no 'round'"
+    r = record["round"]
+    if isinstance(r, bool) or not isinstance(r, int):
+        return f"has round {r!r}, not an integer"
+    if not isinstance(record.get("stage", ""), str):
+        return f"has stage {record['stage']!r}, not a string"
+    metrics = record.get("metrics", {})
+    if not isinstance(metrics, Mapping):
+        return f"has metrics {metrics!r}, not an object"
+    for name, value in metrics.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            return f"has metric {name!r} = {value!r}, not a number"
+    return None
+
+
+def _read_json_history(source: Path) -> dict[str, Any]:
+    """:func:`~lightning_fedmeta.callbacks.read_history` with every way the file can be malformed (unreadable,
+    not UTF-8, not JSON, not a history object, a record of the wrong shape) a one-line :class:`CompareError`
+    naming the file and what is wrong."""
+    try:
+        doc = read_history(source)
+    except OSError as exc:
+        raise CompareError(f"{source}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise CompareError(f"{source} is not a fedmeta history file (not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
+        raise CompareError(f"{source} is not a fedmeta history file (not JSON: {exc.msg} at line {exc.lineno}, "
+                           f"column {exc.colno})") from None
+    except RecursionError:
+        raise CompareError(f"{source} is not a fedmeta history file (nested too deeply)") from None
+    except ValueError as exc:  # read_history's own message names the file
+        raise CompareError(str(exc)) from None
+    for i, record in enumerate(doc["history"]):
+        problem = _record_problem(record)
+        if problem is not None:
+            raise CompareError(f"{source}: history record {i} {problem}; each record is {_RECORD_SHAPE}")
+    return doc
 
 
 def load_run_info(logdir: str | Path) -> RunInfo:
@@ -119,15 +185,13 @@ def load_run_info(logdir: str | Path) -> RunInfo:
 
     Raises:
         FileNotFoundError: no run at ``logdir``.
-        CompareError: the JSON file is not a fedmeta history file.
+        CompareError: the file is malformed (unreadable, not JSON or CSV, a record or cell of the wrong shape):
+            one line naming the file and what is wrong.
     """
     source = find_history_file(logdir)
     if source.suffix == ".csv":
         return {"history": _read_csv(source), "primary_metric": None, "metric_directions": {}, "source": source}
-    try:
-        doc = read_history(source)
-    except ValueError as exc:  # json.JSONDecodeError included
-        raise CompareError(str(exc)) from exc
+    doc = _read_json_history(source)
     return {
         "history": list(doc["history"]),
         "primary_metric": doc["primary_metric"],

@@ -23,6 +23,7 @@ standardising everything first, without converting and copying the images no cli
 
 from __future__ import annotations
 
+import codecs
 import os
 import pickle
 from collections.abc import Sequence
@@ -31,6 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+try:  # numpy 2
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+    from numpy._core.numeric import _frombuffer as _np_frombuffer
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+    from numpy.core.numeric import _frombuffer as _np_frombuffer
 
 from lightning_fedmeta.data.idx import check_idx_images, idx_labels_tensor, read_idx_arrays
 
@@ -224,16 +232,45 @@ def load_mnist(root: str | os.PathLike[str], download: bool = False) -> Centrali
     return _load_idx_dataset("mnist", root)
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals a CIFAR-10 batch needs: numpy array reconstruction
+    (``ndarray``, ``dtype``, ``_reconstruct``, ``_frombuffer``, under numpy 1's and 2's module names) and
+    ``_codecs.encode`` (how protocol 2 writes ``bytes``). Anything else (``os.system``, ``builtins.exec``, any
+    class) is refused before it is called, so a crafted batch file cannot run code."""
+
+    _ALLOWED: dict[tuple[str, str], object] = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("numpy.core.multiarray", "_reconstruct"): _np_reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _np_reconstruct,
+        ("numpy.core.numeric", "_frombuffer"): _np_frombuffer,  # protocol 5
+        ("numpy._core.numeric", "_frombuffer"): _np_frombuffer,
+        ("_codecs", "encode"): codecs.encode,
+    }
+
+    def find_class(self, module: str, name: str) -> object:
+        found = self._ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR batch never holds")
+        return found
+
+
 def read_cifar_batch(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
     """Read one CIFAR-10 "python version" batch: a pickled dict with ``data`` and ``labels``.
 
     ``data`` is ``uint8 [N, 3072]`` laid out as 1024 red, 1024 green, 1024 blue values of a
     row-major 32x32 image (https://www.cs.toronto.edu/~kriz/cifar.html), returned as
     ``uint8 [N, 3, 32, 32]``; labels as int64 ``[N]``. Keys may be ``bytes`` (the official files)
-    or ``str``. Pickle executes code from the file: read only trusted files.
+    or ``str``. The file is unpickled by :class:`_CifarUnpickler`, which builds only what a CIFAR batch holds
+    (dicts, lists, bytes, str, numbers, numpy arrays): a file naming anything else (a pickle that would run
+    code) raises ``ValueError`` before it runs.
     """
     with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
+        try:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"{os.fspath(path)!r} is not a CIFAR-10 batch: {exc}; it was not loaded (unpickling "
+                             "it could run code). Use the official files (download: true fetches them)") from None
     if not isinstance(batch, dict):
         raise ValueError(f"{os.fspath(path)!r}: expected a pickled dict, got {type(batch).__name__}")
 
