@@ -35,7 +35,8 @@ app = ClientApp()
 
 def _state_file(client: LocalClient, context: Context, config: ConfigRecord) -> ClientStateFile:
     root = context.node_config.get("state-dir") or default_state_dir()
-    return ClientStateFile(str(root), str(config["run-key"]), client.partition_id)
+    token = config.get("run-token")
+    return ClientStateFile(str(root), str(config["run-key"]), client.partition_id, str(token) if token else None)
 
 
 def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, ...]:

@@ -24,6 +24,8 @@ import json
 import logging
 import math
 import os
+import pickle
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -105,6 +107,8 @@ class DeploymentServer:
         self.cfg = cfg
         self.grid = grid
         self.run_key = str(run_key)
+        #: this deployment's identity, kept with every client's state (state_file.py) and in the checkpoint
+        self.run_token = secrets.token_hex(16)
         self.checkpoint = checkpoint
         self.output_dir = output_dir
         self.reply_timeout = reply_timeout
@@ -244,7 +248,7 @@ class DeploymentServer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "round": self.round, "run_key": self.run_key, "params": {k: v.clone() for k, v in self.params().items()},
+            "round": self.round, "run_key": self.run_key, "run_token": self.run_token, "params": {k: v.clone() for k, v in self.params().items()},
             "init_params": self.init_params, "optimizer": self.optimizer.state_dict(),
             "server_state": flatten_state(self.server_state), "seen": self.federation.seen.clone(),
             "dp_clip": self.dp_clip,
@@ -256,8 +260,13 @@ class DeploymentServer:
         atomic_save(self.state_dict(), path)
 
     def load(self, path: str) -> None:
-        """Resume from a checkpoint (the same partitions must be connected)."""
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        """Resume from a checkpoint (the same partitions must be connected). The file is read as data only
+        (``weights_only=True``: tensors and plain values; a pickled object in it is refused, never run)."""
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"checkpoint {path} holds more than tensors and plain values, so it was not loaded "
+                             f"(it may run code): {exc}. Delete it to start the run afresh") from exc
         if int(saved["num_clients"]) != self.num_clients or not torch.equal(saved["counts"], self.counts):
             raise ValueError(f"checkpoint {path} was written for other partitions (sizes {saved['counts'].tolist()}, "
                              f"connected {self.counts.tolist()})")
@@ -274,6 +283,7 @@ class DeploymentServer:
         self.failures = list(saved["failures"])
         self.round = int(saved["round"])
         self.run_key = str(saved["run_key"])
+        self.run_token = str(saved.get("run_token") or self.run_token)
         self.log(f"[fedmeta] resumed from {path} at round {self.round} (state key {self.run_key})")
 
     # ------------------------------------------------------------------------------------------
@@ -282,6 +292,7 @@ class DeploymentServer:
     def _content(self, round_idx: int, pid: int) -> RecordDict:
         content = RecordDict({
             "config": ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
+                                    "run-token": self.run_token,
                                     "state-round": int(self.state_round[pid])}),
             "params": tree_to_record(self.params()),
             "server-state": tree_to_record(self.server_state),

@@ -101,7 +101,10 @@ class InProcessGrid:
             if (kind, round_idx, pid) in self.fail:
                 reply = Message(Error(code=2, reason="ClientApp raised an exception (test)"), reply_to=msg)
             else:
-                reply = client_app(msg, context)
+                try:
+                    reply = client_app(msg, context)
+                except Exception as exc:  # as a SuperNode reports a ClientApp that raised
+                    reply = Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             mid = f"m{len(self.sent)}"
             m = reply.metadata  # as the SuperLink delivers it: from the node the message went to
             metadata = Metadata(m.run_id, f"r{mid}", node, m.dst_node_id, mid, m.group_id, m.created_at, m.ttl,
