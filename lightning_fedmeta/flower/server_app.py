@@ -13,8 +13,8 @@ Run config (``[tool.flwr.app.config]`` of the app's ``pyproject.toml``, or ``flw
     node-timeout         seconds to wait for every partition's SuperNode
     max-retries          resends to a partition whose node became unavailable (restarted)
     evaluate             run the personalised evaluation (every data.eval_every rounds and after the last)
-    upload-client-state  (read by the ClientApp) upload the client's new state with its reply (default true;
-                         false sends zeros: only for algorithms whose aggregate does not read client states)
+
+``client-data`` and ``upload-client-state`` are node config (the node owner's choice), not run config.
 """
 
 from __future__ import annotations

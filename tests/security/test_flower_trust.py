@@ -18,7 +18,10 @@ import torch
 pytest.importorskip("flwr", reason="flwr is not installed (pip install lightning-fedmeta[flower])")
 
 from lightning_fedmeta.flower import ClientStateFile, load_config  # noqa: E402
+from lightning_fedmeta.flower import client as client_module  # noqa: E402
+from lightning_fedmeta.flower.records import record_to_tree  # noqa: E402
 from lightning_fedmeta.flower.server import DeploymentServer  # noqa: E402
+from lightning_fedmeta.state import flatten_state  # noqa: E402
 from tests.frontends.test_flower import (  # noqa: E402
     ALGORITHMS,
     NUM_CLIENTS,
@@ -127,3 +130,42 @@ def test_two_servers_with_the_same_run_key_do_not_mix_node_state(tmp_path: Path)
     other.run()
     assert other.failures and all("belongs to another deployment" in f["reason"] for f in other.failures)
     assert {p: {r: f.path(r).read_bytes() for r in f.rounds()} for p, f in files.items()} == before
+
+
+def train_reply_state(tmp: Path, run_config: dict[str, Any], node_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``state`` a Ditto node uploads in round 0, with these run and node configs."""
+    cfg_path = write_config(tmp, ALGORITHMS["ditto"])
+    grid = InProcessGrid(cfg_path, tmp / "states")
+    grid.run_config.update(run_config)
+    grid.node_extra.update(node_config)
+    server = new_server(cfg_path, tmp, grid)
+    server.discover()
+    server.setup()
+    replies = server.exchange("train", 0, [0])
+    return record_to_tree(replies[0].content.array_records["state"])
+
+
+def test_upload_client_state_is_the_node_owners_choice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run config cannot make a node upload the personal state its owner keeps (node config
+    upload-client-state = false), and is ignored with a warning naming the node config."""
+    client_module._warned.clear()
+    kept = train_reply_state(tmp_path, {"upload-client-state": True}, {"upload-client-state": False})
+    assert all(float(v.abs().sum()) == 0 for v in flatten_state(kept).values())
+    (tmp_path / "b").mkdir()
+    uploaded = train_reply_state(tmp_path / "b", {"upload-client-state": False}, {})
+    assert any(float(v.abs().sum()) > 0 for v in flatten_state(uploaded).values())  # the node's default: upload
+    assert "run config upload-client-state = True is ignored" in caplog.text
+
+
+def test_run_config_cannot_choose_the_nodes_data_hook(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run config's client-data (code the node would import and run) is ignored: the node trains on its
+    configured partition; the node config's hook is used."""
+    client_module._warned.clear()
+    hook = "tests.frontends.test_flower:client_tensors"
+    cfg = write_config(tmp_path, ALGORITHMS["fedavg"])
+    node = {"partition-id": 2, "num-partitions": NUM_CLIENTS}
+    from_run = client_module.client_for(node, {"fedmeta-config": str(cfg), "client-data": hook})
+    assert int(from_run.data.train_offsets[1]) != 7  # not the hook's 7 rows: the config's partition 2
+    assert "run config client-data" in caplog.text and "node config" in caplog.text
+    from_node = client_module.client_for({**node, "client-data": hook}, {"fedmeta-config": str(cfg)})
+    assert int(from_node.data.train_offsets[1]) == 7
