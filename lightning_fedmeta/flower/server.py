@@ -248,7 +248,8 @@ class DeploymentServer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "round": self.round, "run_key": self.run_key, "run_token": self.run_token, "params": {k: v.clone() for k, v in self.params().items()},
+            "round": self.round, "run_key": self.run_key, "run_token": self.run_token,
+            "params": {k: v.clone() for k, v in self.params().items()},
             "init_params": self.init_params, "optimizer": self.optimizer.state_dict(),
             "server_state": flatten_state(self.server_state), "seen": self.federation.seen.clone(),
             "dp_clip": self.dp_clip,

@@ -14,8 +14,9 @@ round recomputes from the same state: exactly the in-process loop, where a faile
 The folder also holds ``run-token``: the random token of the deployment that owns it (the ServerApp draws it
 once and keeps it in its checkpoint, so a resumed server keeps it). A second deployment that reuses the run key
 on the same node is refused with a message naming both tokens, instead of overwriting (or reading) the first
-one's personal state. Files are written atomically (:func:`lightning_fedmeta.atomic_io.atomic_torch_save`: temporary file in the same
-folder, ``fsync``, ``os.replace``, folder ``fsync``), so a crash never leaves a half-written state.
+one's personal state. Files are written atomically (:func:`lightning_fedmeta.atomic_io.atomic_torch_save`:
+temporary file in the same folder, ``fsync``, ``os.replace``, folder ``fsync``), so a crash never leaves a
+half-written state.
 """
 
 from __future__ import annotations
