@@ -25,7 +25,6 @@ from lightning_fedmeta.flower import ClientStateFile, load_config  # noqa: E402
 from lightning_fedmeta.flower import client as client_module  # noqa: E402
 from lightning_fedmeta.flower.records import record_to_tree, tree_to_record  # noqa: E402
 from lightning_fedmeta.flower.server import DeploymentServer  # noqa: E402
-from lightning_fedmeta.flower.server_app import parse_sizes  # noqa: E402
 from lightning_fedmeta.state import flatten_state, unflatten_state  # noqa: E402
 from tests.frontends.test_flower import (  # noqa: E402
     ALGORITHMS,
@@ -330,6 +329,8 @@ def test_claimed_size_must_match_the_pinned_partition_sizes(tmp_path: Path) -> N
 
 
 def test_parse_partition_sizes() -> None:
+    from lightning_fedmeta.flower.server_app import parse_sizes
+
     assert parse_sizes("") is None and parse_sizes("3, 4,5") == [3, 4, 5]
     with pytest.raises(ValueError, match="partition-sizes = 'a,b' must be comma-separated sample counts"):
         parse_sizes("a,b")
