@@ -31,7 +31,8 @@ def write_app(directory: str | Path, config: str | Path, **run_config: object) -
         hits = [i for i, old in enumerate(lines) if old.split("=")[0].strip() == key]
         if not hits:
             raise ValueError(f"unknown run config key {key!r}; known: fedmeta-config, output-dir, checkpoint, run-key, "
-                             "reply-timeout, node-timeout, max-retries, evaluate, upload-client-state")
+                             "reply-timeout, node-timeout, max-retries, evaluate, partition-sizes (client-data and "
+                             "upload-client-state are node config: the node owner's choice)")
         lines[hits[-1]] = line
         text = "\n".join(lines) + "\n"
     folder = Path(directory)

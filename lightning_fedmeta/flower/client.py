@@ -18,6 +18,7 @@ as the in-process loop does. The evaluation is ``FederatedModule._eval_fn``'s: `
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -35,7 +36,26 @@ from lightning_fedmeta.running_stats import prepare_model
 from lightning_fedmeta.sampling import draw_batch_indices, stable_seed
 from lightning_fedmeta.state import map_state
 
-__all__ = ["LocalClient", "client_for", "data_spec_of", "load_partition", "partition_of"]
+__all__ = ["NODE_SETTINGS", "LocalClient", "client_for", "data_spec_of", "load_partition", "node_setting",
+           "partition_of"]
+
+#: settings only the node's owner chooses (node config): where its data comes from and whether its personal state
+#: leaves the node. A run config (written by whoever starts the run) naming them is ignored, with a warning.
+NODE_SETTINGS = ("client-data", "upload-client-state")
+
+logger = logging.getLogger("flwr")
+_warned: set[str] = set()
+
+
+def node_setting(node_config: dict[str, Any], run_config: dict[str, Any], key: str, default: Any) -> Any:
+    """Node config ``key`` (``default`` when absent). The run config's value is never used: the node's data
+    source and what leaves the node are the node owner's choice, not the run's (docs/security.md); it is
+    ignored with a warning (once per process) saying where to set it instead."""
+    if key in run_config and key not in _warned:
+        _warned.add(key)
+        logger.warning(f"[fedmeta] run config {key} = {run_config[key]!r} is ignored: {key} is the node owner's "
+                       f"choice; set it in the SuperNode's node config (--node-config \"{key}=...\")")
+    return node_config.get(key, default)
 
 
 def partition_of(node_config: dict[str, Any]) -> tuple[int, int]:
@@ -237,7 +257,7 @@ def client_for(node_config: dict[str, Any], run_config: dict[str, Any]) -> Local
     path = run_config.get("fedmeta-config")
     if not isinstance(path, str) or not path:
         raise ValueError("run config fedmeta-config (the path of the fedmeta YAML config) is missing")
-    hook = node_config.get("client-data") or run_config.get("client-data") or None
+    hook = node_setting(node_config, run_config, "client-data", None) or None
     return _client_for(path, pid, num, str(hook) if hook else None)
 
 

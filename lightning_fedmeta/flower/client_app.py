@@ -11,7 +11,8 @@ Messages (built by :mod:`lightning_fedmeta.flower.server`; records in :mod:`~lig
 
 The node's data is chosen by node config ``partition-id`` / ``num-partitions`` (and optionally ``client-data``, a
 hook); its state lives under node config ``state-dir`` (default :func:`~lightning_fedmeta.flower.state_file.
-default_state_dir`).
+default_state_dir`); node config ``upload-client-state = false`` keeps its personal state on the node. These are
+the node owner's choices: a run config naming ``client-data`` or ``upload-client-state`` is ignored (warning).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from lightning_fedmeta.algorithms.base import ClientRecord
-from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of
+from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of, node_setting
 from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
 from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
 from lightning_fedmeta.state import map_state
@@ -35,7 +36,8 @@ app = ClientApp()
 
 def _state_file(client: LocalClient, context: Context, config: ConfigRecord) -> ClientStateFile:
     root = context.node_config.get("state-dir") or default_state_dir()
-    return ClientStateFile(str(root), str(config["run-key"]), client.partition_id)
+    token = config.get("run-token")
+    return ClientStateFile(str(root), str(config["run-key"]), client.partition_id, str(token) if token else None)
 
 
 def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, ...]:
@@ -91,7 +93,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     out = client.train(round_idx, params, server_state, state, record, width)
     files.save(round_idx, out.state)
     files.prune({int(config["state-round"]), round_idx})
-    upload_state = bool(context.run_config.get("upload-client-state", True))
+    upload_state = bool(node_setting(context.node_config, context.run_config, "upload-client-state", True))
     state_out = out.state if upload_state else map_state(torch.zeros_like, out.state)
     metrics = {k: float(v) for k, v in out.metrics.items()}
     metrics["num-examples"] = int(record.num_samples)

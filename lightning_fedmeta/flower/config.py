@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,7 +180,7 @@ def load_config(path: str | Path) -> DeploymentConfig:
     if unknown:
         raise ValueError(f"unknown model options {unknown} in {str(path)!r} for a Flower deployment")
     metrics = model.get("metrics")
-    if metrics is not None and not all(isinstance(v, str) for v in dict(metrics).values()):
+    if isinstance(metrics, dict) and not all(isinstance(v, str) for v in metrics.values()):
         raise ValueError(f"model.metrics must be built-in metric names on Flower, got {metrics!r}")
     rounds = trainer.get("max_steps")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -191,9 +190,6 @@ def load_config(path: str | Path) -> DeploymentConfig:
     seed_everything = raw.get("seed_everything")
     if seed_everything is not None and (isinstance(seed_everything, bool) or not isinstance(seed_everything, int)):
         raise ValueError(f"seed_everything must be an integer, got {seed_everything!r}")
-    server_lr = model.get("server_lr", 1.0)
-    if not isinstance(server_lr, int | float) or not server_lr >= 0 or server_lr == math.inf:
-        raise ValueError(f"model.server_lr must be a finite number >= 0, got {server_lr!r}")
     cfg = DeploymentConfig(
         path=str(p.resolve()),
         rounds=rounds,
@@ -205,5 +201,33 @@ def load_config(path: str | Path) -> DeploymentConfig:
         data_options=data,
         eval_every=int(data.get("eval_every", 10)),
     )
-    cfg.algorithm()  # an unknown algorithm or hyper-parameter fails here, naming model.algorithm
+    check_module_options(cfg, model)
     return cfg
+
+
+def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> None:
+    """Run the checks ``FederatedModule.__init__`` runs on the same options, with the same messages
+    (:func:`~lightning_fedmeta.options.check_options`, :func:`~lightning_fedmeta.options.check_server_optimizer`,
+    the metrics and the reliability options), so a config the simulator refuses is refused here too, before any
+    node is contacted (``clients_per_round: 0`` or ``-2`` would otherwise run)."""
+    from lightning_fedmeta.metrics import ClientMetrics
+    from lightning_fedmeta.options import check_options, check_server_optimizer
+    from lightning_fedmeta.reliability import Reliability
+
+    server_lr = model.get("server_lr", 1.0)
+    if isinstance(server_lr, bool) or not isinstance(server_lr, int | float):
+        raise ValueError(f"server_lr must be a finite number >= 0, got {server_lr!r}")
+    check_options(
+        clients_per_round=model.get("clients_per_round"), fraction=model.get("fraction"),
+        aggregation=model.get("aggregation", "samples"), server_lr=server_lr, factories={},
+        client_batching=model.get("client_batching", "auto"), client_chunk_size=model.get("client_chunk_size", 100),
+        client_state="auto", client_state_dir=None,
+    )
+    metrics = model.get("metrics")
+    if metrics is not None:
+        if not isinstance(metrics, dict) or not metrics:
+            raise ValueError(f"metrics must be a non-empty mapping {{name: metric}}, got {metrics!r}")
+        ClientMetrics(metrics, 1)
+    algorithm = cfg.algorithm()  # an unknown algorithm or hyper-parameter fails here, naming model.algorithm
+    check_server_optimizer(algorithm, server_lr, cfg.server_optimizer_spec, None)
+    Reliability.from_options(aggregator=model.get("aggregator"), dp=model.get("dp"))

@@ -24,6 +24,8 @@ import json
 import logging
 import math
 import os
+import pickle
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,7 +37,15 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weighted_mean_metrics
 from lightning_fedmeta.flower.config import DeploymentConfig
-from lightning_fedmeta.flower.records import client_record_to_record, record_to_tree, tree_to_record
+from lightning_fedmeta.flower.records import client_record_to_record, tree_to_record
+from lightning_fedmeta.flower.replies import (
+    RejectedReply,
+    ReplySpec,
+    check_eval_reply,
+    check_query_reply,
+    check_train_reply,
+    honest_output,
+)
 from lightning_fedmeta.flower.state_file import atomic_torch_save as atomic_save
 from lightning_fedmeta.functional import Params
 from lightning_fedmeta.loop.federation import Federation
@@ -85,6 +95,9 @@ class DeploymentServer:
         poll_interval: seconds between two checks for restarted nodes while replies are awaited.
         evaluate: run the personalised evaluation (every ``data.eval_every`` rounds and after the last).
         log: where progress lines go.
+        partition_sizes: every partition's number of training samples, when the operator knows them (run config
+            ``partition-sizes``): a node claiming another size is refused. ``None``: each partition's first answer
+            fixes its size (and the first accepted answer fixes ``num-partitions``).
     """
 
     def __init__(
@@ -101,10 +114,13 @@ class DeploymentServer:
         pull_interval: float = 1.0,
         poll_interval: float = 5.0,
         evaluate: bool = True,
+        partition_sizes: list[int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.grid = grid
         self.run_key = str(run_key)
+        #: this deployment's identity, kept with every client's state (state_file.py) and in the checkpoint
+        self.run_token = secrets.token_hex(16)
         self.checkpoint = checkpoint
         self.output_dir = output_dir
         self.reply_timeout = reply_timeout
@@ -118,15 +134,22 @@ class DeploymentServer:
         self.node_of: dict[int, int] = {}  # partition id -> node id (the newest node that reported it)
         self.known_nodes: set[int] = set()
         self.info: dict[int, dict[str, Any]] = {}  # partition id -> what its node reported
+        self.sizes = None if partition_sizes is None else [int(n) for n in partition_sizes]
+        self.partitions: int | None = None if self.sizes is None else len(self.sizes)  # K, once known
+        self.description: dict[str, Any] | None = None  # the data description every partition shares
+        self.waiting: dict[int, int] = {}  # node id -> the partition it claimed while another live node held it
+        self.reply_spec: ReplySpec | None = None
         self.history: list[dict[str, Any]] = []
+        self.exchanged: dict[int, Message] = {}  # the last exchange's replies, before their check
         self.failures: list[dict[str, Any]] = []
         self.round = 0
 
     # ------------------------------------------------------------------------------------------
     # nodes
     # ------------------------------------------------------------------------------------------
-    def _query(self, node_ids: list[int]) -> None:
-        """Ask new nodes which partition they hold (a node that restarted reports its partition again)."""
+    def _query(self, node_ids: list[int], live: set[int]) -> None:
+        """Ask new nodes which partition they hold (a node that restarted reports its partition again). A reply
+        that fails :func:`~lightning_fedmeta.flower.replies.check_query_reply` is refused and logged."""
         if not node_ids:
             return
         messages = [Message(RecordDict({"query": ConfigRecord({"what": "partition"})}), dst_node_id=n,
@@ -137,14 +160,28 @@ class DeploymentServer:
             if reply.has_error():
                 self.log(f"[fedmeta] node {node} did not answer the query: {reply.error.reason}")
                 continue
-            data = dict(reply.content.config_records["data"])
-            pid = int(data["partition-id"])
-            data["label_counts"] = reply.content.array_records["label-counts"].to_torch_state_dict()["label_counts"]
-            old = self.node_of.get(pid)
-            self.node_of[pid] = node
-            self.info[pid] = data
-            if old is not None and old != node:
-                self.log(f"[fedmeta] partition {pid} is now on node {node} (was {old}: restarted)")
+            try:
+                data = check_query_reply(reply.content, self.partitions, self.sizes, self.description)
+            except RejectedReply as exc:
+                self.log(f"[fedmeta] node {node} refused: {exc}")
+                continue
+            self._register(node, data, live)
+
+    def _register(self, node: int, data: dict[str, Any], live: set[int]) -> None:
+        """Give ``node`` its claimed partition, unless another live node holds it: the claim is then refused (not
+        waited on) and asked again only if that node goes away (a restarted node seen before its old id ended)."""
+        pid = int(data["partition-id"])
+        holder = self.node_of.get(pid)
+        if holder is not None and holder != node and holder in live:
+            self.waiting[node] = pid
+            self.log(f"[fedmeta] node {node} claims partition {pid}, which node {holder} holds: refused")
+            return
+        self.waiting.pop(node, None)
+        self.partitions, self.description = int(data["num-partitions"]), data.pop("description")
+        self.node_of[pid] = node
+        self.info[pid] = data
+        if holder is not None and holder != node:
+            self.log(f"[fedmeta] partition {pid} is now on node {node} (was {holder}: restarted)")
 
     def refresh_nodes(self, wait_for: Iterable[int] = (), timeout: float | None = None) -> set[int]:
         """Query the nodes not seen before; wait (at most ``timeout`` s) until every partition in ``wait_for``
@@ -156,7 +193,9 @@ class DeploymentServer:
             self.known_nodes &= live
             for pid in [p for p, n in self.node_of.items() if n not in live]:
                 del self.node_of[pid]
-            self._query(sorted(live - self.known_nodes))
+            self.waiting = {n: p for n, p in self.waiting.items() if n in live}
+            self.known_nodes -= {n for n, p in self.waiting.items() if p not in self.node_of}  # ask again
+            self._query(sorted(live - self.known_nodes), live)
             missing = wanted - set(self.node_of)
             if not missing or time.monotonic() >= deadline:
                 return missing
@@ -166,19 +205,16 @@ class DeploymentServer:
         """Wait until all ``num-partitions`` partitions are connected, and learn their sizes."""
         self.refresh_nodes()
         deadline = time.monotonic() + self.node_timeout
-        while True:
-            total = {int(d["num-partitions"]) for d in self.info.values()}
-            if len(total) > 1:
-                raise ValueError(f"the SuperNodes disagree on node config num-partitions: {sorted(total)}")
-            if total and len(self.info) == next(iter(total)):
-                break
+        while self.partitions is None or len(self.info) < self.partitions:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"only partitions {sorted(self.info)} of {sorted(total) or '?'} connected within "
+                    f"only partitions {sorted(self.info)} of {self.partitions or '?'} connected within "
                     f"{self.node_timeout:.0f} s (start a SuperNode for each partition-id)"
                 )
-            self.refresh_nodes(range(next(iter(total), 1)), timeout=min(5.0, self.node_timeout))
-        self.num_clients = next(iter(total))
+            self.refresh_nodes(range(self.partitions or 1), timeout=min(5.0, self.node_timeout))
+        self.num_clients = self.partitions
+        if self.sizes is None:  # trusted on first answer: later claims must match
+            self.sizes = [int(self.info[p]["num-train"]) for p in range(self.num_clients)]
         self.log(f"[fedmeta] {self.num_clients} partitions connected: "
                  + ", ".join(f"{p}->node {self.node_of[p]} ({self.info[p]['num-train']} samples)"
                              for p in sorted(self.node_of)))
@@ -214,6 +250,8 @@ class DeploymentServer:
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
         self.algorithm.bind_clients(self.records(torch.arange(k)), self.label_counts)
         self.server_state = self.algorithm.init_server_state(self.params())
+        self.reply_spec = ReplySpec.of(honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
+                                                     self.init_params, self.server_state))
         self.population = tree_to_record({
             "num_samples": self.counts, "weight": self.federation.client_weight, "is_new": self.federation.is_holdout,
             "label_counts": self.label_counts,
@@ -244,7 +282,8 @@ class DeploymentServer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "round": self.round, "run_key": self.run_key, "params": {k: v.clone() for k, v in self.params().items()},
+            "round": self.round, "run_key": self.run_key, "run_token": self.run_token,
+            "params": {k: v.clone() for k, v in self.params().items()},
             "init_params": self.init_params, "optimizer": self.optimizer.state_dict(),
             "server_state": flatten_state(self.server_state), "seen": self.federation.seen.clone(),
             "dp_clip": self.dp_clip,
@@ -256,8 +295,13 @@ class DeploymentServer:
         atomic_save(self.state_dict(), path)
 
     def load(self, path: str) -> None:
-        """Resume from a checkpoint (the same partitions must be connected)."""
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        """Resume from a checkpoint (the same partitions must be connected). The file is read as data only
+        (``weights_only=True``: tensors and plain values; a pickled object in it is refused, never run)."""
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"checkpoint {path} holds more than tensors and plain values, so it was not loaded "
+                             f"(it may run code): {exc}. Delete it to start the run afresh") from exc
         if int(saved["num_clients"]) != self.num_clients or not torch.equal(saved["counts"], self.counts):
             raise ValueError(f"checkpoint {path} was written for other partitions (sizes {saved['counts'].tolist()}, "
                              f"connected {self.counts.tolist()})")
@@ -274,6 +318,7 @@ class DeploymentServer:
         self.failures = list(saved["failures"])
         self.round = int(saved["round"])
         self.run_key = str(saved["run_key"])
+        self.run_token = str(saved.get("run_token") or self.run_token)
         self.log(f"[fedmeta] resumed from {path} at round {self.round} (state key {self.run_key})")
 
     # ------------------------------------------------------------------------------------------
@@ -282,6 +327,7 @@ class DeploymentServer:
     def _content(self, round_idx: int, pid: int) -> RecordDict:
         content = RecordDict({
             "config": ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
+                                    "run-token": self.run_token,
                                     "state-round": int(self.state_round[pid])}),
             "params": tree_to_record(self.params()),
             "server-state": tree_to_record(self.server_state),
@@ -361,9 +407,10 @@ class DeploymentServer:
             time.sleep(self.pull_interval)
         return replies, retry
 
-    def _failed(self, kind: str, round_idx: int, pid: int, reason: str) -> None:
-        self.failures.append({"round": round_idx, "partition": pid, "kind": kind, "reason": reason})
-        self.log(f"[fedmeta] round {round_idx}: {kind} of partition {pid} failed ({reason}); "
+    def _failed(self, kind: str, round_idx: int, pid: int, reason: str, node: int | None = None) -> None:
+        node = self.node_of.get(pid) if node is None else int(node)
+        self.failures.append({"round": round_idx, "partition": pid, "node": node, "kind": kind, "reason": reason})
+        self.log(f"[fedmeta] round {round_idx}: {kind} of partition {pid} (node {node}) failed ({reason}); "
                  "aggregating over the clients that answered")
 
     # ------------------------------------------------------------------------------------------
@@ -374,15 +421,17 @@ class DeploymentServer:
         return self.federation.round_clients(round_idx)
 
     def train_round(self, round_idx: int) -> dict[str, Any]:
-        """One round (see the module docstring); returns its log entry."""
+        """One round (see the module docstring); returns its log entry (``rejected_replies``: replies that failed
+        :func:`~lightning_fedmeta.flower.replies.check_train_reply`, each logged with its node and reason)."""
         sampled = self.sampled(round_idx)
-        replies = self.exchange("train", round_idx, sampled.tolist())
-        answered = torch.tensor(sorted(replies), dtype=torch.long)
-        entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist()}
+        outputs = self._checked("train", round_idx, self.exchange("train", round_idx, sampled.tolist()))
+        answered = torch.tensor(sorted(outputs), dtype=torch.long)
+        entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist(),
+                                 "rejected_replies": len(self.exchanged) - len(outputs)}
         if answered.numel() == 0:
             self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the model is unchanged")
             return entry
-        outs = [self._output(replies[int(p)]) for p in answered]
+        outs = [outputs[int(p)] for p in answered]
         out = ClientOutput(*(torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *[o[i] for o in outs])
                              if outs[0][i] else {} for i in range(4)))
         weights = self.federation.weights(answered)
@@ -391,7 +440,22 @@ class DeploymentServer:
             self.log(f"[fedmeta] round {round_idx}: {answered.numel()} clients answered, too few for "
                      f"model.aggregator; the model is unchanged")
             return entry
-        check_update_finite(round_idx, uploads.update.delta)
+        try:
+            check_update_finite(round_idx, uploads.update.delta)
+        except FloatingPointError as exc:  # finite replies whose weighted sum overflows: skip, do not stop
+            entry["skipped"] = str(exc)
+            self.log(f"[fedmeta] {exc}; the model is unchanged")
+            return entry
+        self._commit(round_idx, answered, uploads, entry)
+        metrics = {k: float(v) for k, v in weighted_mean_metrics(out.metrics, weights).items()}
+        entry["train"] = metrics
+        self.log(f"[fedmeta] round {round_idx}: clients {answered.tolist()} of {sampled.tolist()} aggregated; "
+                 + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
+        return entry
+
+    def _commit(self, round_idx: int, answered: Tensor, uploads: Uploads, entry: dict[str, Any]) -> None:
+        """The server step and the round's bookkeeping (seen, state rounds, DP clip)."""
+        assert uploads.update is not None
         apply_server_step(self.optimizer, self.model, uploads.update.delta)
         self.server_state = uploads.update.server_state
         self.federation.mark_seen(answered)
@@ -400,11 +464,23 @@ class DeploymentServer:
             entry["dp"] = uploads.privacy.logged()
             if uploads.privacy.next_clip is not None:
                 self.dp_clip = uploads.privacy.next_clip
-        metrics = {k: float(v) for k, v in weighted_mean_metrics(out.metrics, weights).items()}
-        entry["train"] = metrics
-        self.log(f"[fedmeta] round {round_idx}: clients {answered.tolist()} of {sampled.tolist()} aggregated; "
-                 + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
-        return entry
+
+    def _checked(self, kind: str, round_idx: int, replies: dict[int, Message]) -> dict[int, Any]:
+        """The replies that pass their check (train: a :class:`ClientOutput`; evaluate: the sums); every other
+        one fails its client for the round, logged with its node and the reason."""
+        self.exchanged = replies
+        accepted: dict[int, Any] = {}
+        names = self._metric_names()
+        for pid, reply in sorted(replies.items()):
+            try:
+                if kind == "train":
+                    assert self.reply_spec is not None
+                    accepted[pid] = check_train_reply(reply.content, self.reply_spec, int(self.counts[pid]))
+                else:
+                    accepted[pid] = check_eval_reply(reply.content, names, int(self.info[pid]["num-test"]))
+            except RejectedReply as exc:
+                self._failed(kind, round_idx, pid, f"reply rejected: {exc}", node=reply.metadata.src_node_id)
+        return accepted
 
     def _server_context(self, round_idx: int, answered: Tensor) -> ServerContext:
         """What the server stages read (no client is simulated Byzantine in a deployment)."""
@@ -418,31 +494,19 @@ class DeploymentServer:
             assumed_byzantine=reliability.assumed_byzantine(self.num_sampled),
         )
 
-    @staticmethod
-    def _output(reply: Message) -> ClientOutput:
-        content = reply.content
-        metrics = {k: torch.tensor(v, dtype=torch.float32) for k, v in content.metric_records["metrics"].items()
-                   if k != "num-examples"}
-        return ClientOutput(
-            delta=record_to_tree(content.array_records["delta"]),
-            state=record_to_tree(content.array_records["state"]),
-            extras=record_to_tree(content.array_records["extras"]),
-            metrics=metrics,
-        )
-
     def evaluate(self, round_idx: int) -> dict[str, float]:
         """The personalised evaluation of every client, summarised as the simulator summarises it
         (:meth:`~lightning_fedmeta.metrics.ClientMetrics.summaries`: ``{metric}_weighted``, ``_mean``,
         ``_worst10`` for the training clients, and ``new/...`` for the held-out ones)."""
         k = self.num_clients
-        replies = self.exchange("evaluate", round_idx, list(range(k)))
-        per_client = {p: dict(m.content.metric_records["metrics"]) for p, m in replies.items()}
-        result: dict[str, float] = {"clients": float(len(per_client))}
+        testable = [p for p in range(k) if int(self.info[p]["num-test"]) > 0]  # nothing to score otherwise
+        per_client = self._checked("evaluate", round_idx, self.exchange("evaluate", round_idx, testable))
+        result: dict[str, float] = {"clients": float(len(per_client)),
+                                    "rejected_replies": float(len(self.exchanged) - len(per_client))}
         if not per_client:
             return result
-        names = [key[: -len("_sum")] for key in next(iter(per_client.values())) if key.endswith("_sum")
-                 and key != "loss_sum"]
-        metrics = ClientMetrics({name: self._metric_spec(name) for name in names}, k)
+        names = list(self._metric_names())
+        metrics = ClientMetrics(self._metric_names(), k)
         clients = torch.tensor(sorted(per_client), dtype=torch.long)
         metrics.update(clients, {
             "total": torch.tensor([per_client[int(c)]["total"] for c in clients], dtype=torch.float64),
@@ -458,13 +522,12 @@ class DeploymentServer:
             prefix = "" if group == "clients" else f"{group}/"
             result.update({prefix + key: float(v) for key, v in values.items()})
         self.log(f"[fedmeta] personalised evaluation after round {round_idx}: "
-                 + ", ".join(f"{k} = {v:.4f}" for k, v in result.items() if k != "clients"))
+                 + ", ".join(f"{k} = {v:.4f}" for k, v in result.items() if k not in ("clients", "rejected_replies")))
         return result
 
-    def _metric_spec(self, key: str) -> str:
-        """The built-in metric name of evaluation key ``key`` (the config's ``model.metrics``, else the default)."""
-        metrics = self.cfg.module_options.get("metrics") or DEFAULT_METRICS[str(self.info[0]["task"])]
-        return dict(metrics)[key]
+    def _metric_names(self) -> dict[str, str]:
+        """``{evaluation key: built-in metric}``: the config's ``model.metrics``, else the task's default."""
+        return dict(self.cfg.module_options.get("metrics") or DEFAULT_METRICS[str(self.info[0]["task"])])
 
     def run(self) -> dict[str, Any]:
         """Discover the nodes, set up (or resume), train the remaining rounds, evaluate, write the outputs."""

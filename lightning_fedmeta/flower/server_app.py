@@ -13,8 +13,11 @@ Run config (``[tool.flwr.app.config]`` of the app's ``pyproject.toml``, or ``flw
     node-timeout         seconds to wait for every partition's SuperNode
     max-retries          resends to a partition whose node became unavailable (restarted)
     evaluate             run the personalised evaluation (every data.eval_every rounds and after the last)
-    upload-client-state  (read by the ClientApp) upload the client's new state with its reply (default true;
-                         false sends zeros: only for algorithms whose aggregate does not read client states)
+    partition-sizes      every partition's number of training samples, "n0,n1,...", when you know them: a node
+                         claiming another size (e.g. to take all the aggregation weight) is refused ("" = each
+                         partition's first answer fixes its size; docs/security.md)
+
+``client-data`` and ``upload-client-state`` are node config (the node owner's choice), not run config.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from lightning_fedmeta.flower.config import load_config
 from lightning_fedmeta.flower.server import DeploymentServer
 
-__all__ = ["app", "server_from_context"]
+__all__ = ["app", "parse_sizes", "server_from_context"]
 
 app = ServerApp()
 
@@ -48,7 +51,23 @@ def server_from_context(grid: Grid, context: Context) -> DeploymentServer:
         cfg, grid, run_key=str(rc.get("run-key") or "") or str(context.run_id), checkpoint=checkpoint,
         output_dir=output_dir, reply_timeout=reply_timeout, node_timeout=float(rc.get("node-timeout", 300)),
         max_retries=int(rc.get("max-retries", 2)), evaluate=bool(rc.get("evaluate", True)),
+        partition_sizes=parse_sizes(rc.get("partition-sizes", "")),
     )
+
+
+def parse_sizes(text: object) -> list[int] | None:
+    """Run config ``partition-sizes`` (``"120,80,95"``) as a list, ``None`` when empty; ``ValueError`` naming
+    the setting otherwise."""
+    if text in (None, ""):
+        return None
+    try:
+        sizes = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 0 for n in sizes):
+        raise ValueError(f"run config partition-sizes = {text!r} must be comma-separated sample counts >= 0, one per "
+                         "partition-id (e.g. \"120,80,95\"), or \"\"")
+    return sizes
 
 
 @app.main()

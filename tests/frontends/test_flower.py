@@ -80,6 +80,7 @@ class InProcessGrid:
         self.run_config = {"fedmeta-config": str(config)}
         self.state_dir = state_dir
         self.fail = set(fail)
+        self.node_extra: dict[str, Any] = {}  # further node config of every node (e.g. upload-client-state)
         self.sent: list[tuple[str, int, int]] = []
         self.replies: dict[str, Message] = {}
 
@@ -93,7 +94,8 @@ class InProcessGrid:
             pid = self.node_of[node]
             context = Context(
                 run_id=7, node_id=node, state=RecordDict(), run_config=dict(self.run_config),
-                node_config={"partition-id": pid, "num-partitions": NUM_CLIENTS, "state-dir": str(self.state_dir)},
+                node_config={"partition-id": pid, "num-partitions": NUM_CLIENTS, "state-dir": str(self.state_dir),
+                             **self.node_extra},
             )
             kind = msg.metadata.message_type
             round_idx = int(msg.content.config_records["config"]["round"]) if kind != "query" else -1
@@ -101,7 +103,10 @@ class InProcessGrid:
             if (kind, round_idx, pid) in self.fail:
                 reply = Message(Error(code=2, reason="ClientApp raised an exception (test)"), reply_to=msg)
             else:
-                reply = client_app(msg, context)
+                try:
+                    reply = client_app(msg, context)
+                except Exception as exc:  # as a SuperNode reports a ClientApp that raised
+                    reply = Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             mid = f"m{len(self.sent)}"
             m = reply.metadata  # as the SuperLink delivers it: from the node the message went to
             metadata = Metadata(m.run_id, f"r{mid}", node, m.dst_node_id, mid, m.group_id, m.created_at, m.ttl,
@@ -128,9 +133,10 @@ def in_process(cfg_path: Path, **module_kwargs: Any) -> Any:
 
 
 def deployed(cfg_path: Path, tmp: Path, fail: set[tuple[str, int, int]] = frozenset(),
-             **run_config: Any) -> tuple[Any, InProcessGrid]:
+             node_config: dict[str, Any] | None = None, **run_config: Any) -> tuple[Any, InProcessGrid]:
     grid = InProcessGrid(cfg_path, tmp / "states", fail)
     grid.run_config.update(run_config)
+    grid.node_extra.update(node_config or {})
     server = DeploymentServer(load_config(cfg_path), grid, run_key="t", checkpoint=str(tmp / "ckpt.pt"),
                               output_dir=str(tmp / "out"), node_timeout=1.0)
     server.run()
@@ -150,8 +156,8 @@ def client_state(tmp: Path, server: DeploymentServer, pid: int) -> dict[str, Any
 def test_deployment_equals_in_process(name: str, tmp_path: Path) -> None:
     cfg_path = write_config(tmp_path, ALGORITHMS[name])
     reference = in_process(cfg_path)
-    # Ditto's aggregate reads no client state: its personal models can stay on the nodes
-    server, grid = deployed(cfg_path, tmp_path, **({"upload-client-state": False} if name == "ditto" else {}))
+    # Ditto's aggregate reads no client state: its personal models can stay on the nodes (the node's choice)
+    server, grid = deployed(cfg_path, tmp_path, node_config={"upload-client-state": False} if name == "ditto" else {})
     sizes = server.counts.tolist()
     assert len(set(sizes)) > 1, sizes  # unequal clients: the weights matter
     sampled = [sample_clients(11, r, torch.arange(NUM_CLIENTS), PER_ROUND).tolist() for r in range(ROUNDS)]

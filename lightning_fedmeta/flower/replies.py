@@ -1,0 +1,195 @@
+"""What a SuperNode sends, checked before it enters discovery, aggregation or evaluation (docs/security.md).
+
+A node is not trusted: whoever runs it controls every byte of its replies. A reply is accepted only when
+
+    query     its partition-id is in [0, K), its num-partitions is K, its sizes are integers >= 0 (num-train equal
+              to the pinned size: run config partition-sizes, else the size its partition reported first), its
+              data description (task, classes, shapes, histogram length) equals the federation's
+    train     delta / state / extras have exactly the keys, shapes and dtypes an honest client's output has
+              (:func:`honest_output`: the algorithm's client_update run once by the server) and finite values;
+              its metrics are exactly the algorithm's, finite, and num-examples is the partition's known size
+    evaluate  total is the partition's test size, every sum is finite and within what the metric allows
+
+Anything else raises :class:`RejectedReply`: that client fails the round (logged, counted), never the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+from torch import Tensor
+
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
+from lightning_fedmeta.state import flatten_state, unflatten_state
+
+__all__ = ["RejectedReply", "ReplySpec", "check_eval_reply", "check_query_reply", "check_train_reply",
+           "honest_output"]
+
+#: a flattened tree's keys with their shapes and dtypes
+TreeSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+#: the data description every partition must share (keys of a query reply's "data" record)
+DESCRIPTION = ("task", "num-classes", "input-shape", "target-shape")
+
+
+class RejectedReply(ValueError):
+    """A reply that fails its client for this round (the reason says what was wrong)."""
+
+
+def tree_spec(tree: Mapping[str, Any]) -> TreeSpec:
+    return {k: (tuple(v.shape), v.dtype) for k, v in flatten_state(dict(tree)).items()}
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """The shape of an honest train reply (from :func:`honest_output`)."""
+
+    delta: TreeSpec
+    state: TreeSpec
+    extras: TreeSpec
+    metrics: frozenset[str]
+
+    @classmethod
+    def of(cls, out: ClientOutput) -> ReplySpec:
+        return cls(tree_spec(out.delta), tree_spec(out.state), tree_spec(out.extras), frozenset(out.metrics))
+
+
+def _tree(content: RecordDict, name: str, spec: TreeSpec) -> dict[str, Any]:
+    """Record ``name`` as a tree, refused unless its keys, shapes and dtypes are ``spec``'s and it is finite."""
+    if name not in content.array_records:
+        raise RejectedReply(f"the reply has no {name!r} record")
+    try:
+        flat = {k: v.clone() for k, v in content.array_records[name].to_torch_state_dict().items()}
+    except Exception as exc:  # noqa: BLE001 - anything a node can make the decoder raise
+        raise RejectedReply(f"{name} is not a record of tensors ({type(exc).__name__}: {exc})") from exc
+    if set(flat) != set(spec):
+        raise RejectedReply(f"{name} has the keys {sorted(flat)}, expected {sorted(spec)}")
+    for key, (shape, dtype) in spec.items():
+        got = flat[key]
+        if tuple(got.shape) != shape or got.dtype != dtype:
+            raise RejectedReply(f"{name}/{key} is {got.dtype} {list(got.shape)}, expected {dtype} {list(shape)}")
+        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+            raise RejectedReply(f"{name}/{key} is not finite")
+    return unflatten_state(flat)
+
+
+def _numbers(content: RecordDict, keys: set[str]) -> dict[str, float]:
+    """The reply's ``metrics`` record: exactly ``keys``, each a finite number."""
+    if "metrics" not in content.metric_records:
+        raise RejectedReply("the reply has no 'metrics' record")
+    values = dict(content.metric_records["metrics"])
+    if set(values) != keys:
+        raise RejectedReply(f"metrics has the keys {sorted(values)}, expected {sorted(keys)}")
+    for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise RejectedReply(f"metric {key} = {v!r} is not a finite number")
+    return {k: float(v) for k, v in values.items()}
+
+
+def check_train_reply(content: RecordDict, spec: ReplySpec, num_samples: int) -> ClientOutput:
+    """The reply's :class:`ClientOutput`, or :class:`RejectedReply` (see the module docstring)."""
+    delta = _tree(content, "delta", spec.delta)
+    state = _tree(content, "state", spec.state)
+    extras = _tree(content, "extras", spec.extras)
+    metrics = _numbers(content, set(spec.metrics) | {"num-examples"})
+    if metrics["num-examples"] != num_samples:
+        raise RejectedReply(f"it claims num-examples = {metrics['num-examples']:g}; this partition has "
+                            f"{num_samples} training samples")
+    return ClientOutput(delta, state, extras,
+                        {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items() if k != "num-examples"})
+
+
+def check_eval_reply(content: RecordDict, metric_names: Mapping[str, str], num_test: int) -> dict[str, float]:
+    """The evaluation sums (``total``, ``loss_sum``, ``<key>_sum`` for each configured built-in metric), or
+    :class:`RejectedReply`: ``total`` must be the partition's test size, accuracy sums in ``[0, total]``,
+    error sums ``>= 0``."""
+    sums = _numbers(content, {"total", "loss_sum", "num-examples"} | {f"{k}_sum" for k in metric_names})
+    if sums["total"] != num_test or sums["num-examples"] != num_test:
+        raise RejectedReply(f"it claims total = {sums['total']:g} test samples; this partition has {num_test}")
+    for key, builtin in metric_names.items():
+        value, high = sums[f"{key}_sum"], (num_test if builtin == "accuracy" else math.inf)
+        if not 0 <= value <= high:
+            raise RejectedReply(f"{key}_sum = {value:g} is outside [0, {high:g}] for {num_test} samples")
+    return sums
+
+
+def _count(data: Mapping[str, Any], key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RejectedReply(f"{key} = {value!r} is not an integer >= 0")
+    return value
+
+
+def check_query_reply(content: RecordDict, partitions: int | None, sizes: list[int] | None,
+                      description: dict[str, Any] | None) -> dict[str, Any]:
+    """The node's ``data`` record (with ``label_counts``), or :class:`RejectedReply`. ``partitions``, ``sizes``
+    and ``description`` are what the server already knows (``None``: not yet: this reply sets them)."""
+    if "data" not in content.config_records or "label-counts" not in content.array_records:
+        raise RejectedReply("the query reply has no 'data' or 'label-counts' record")
+    data = dict(content.config_records["data"])
+    pid, num = _count(data, "partition-id"), _count(data, "num-partitions")
+    _count(data, "num-test")
+    expected = partitions if partitions is not None else num
+    if num != expected or not 0 <= pid < expected:
+        raise RejectedReply(f"it claims partition-id {pid} of num-partitions {num}; the federation has {expected}")
+    if sizes is not None and _count(data, "num-train") != sizes[pid]:
+        raise RejectedReply(f"it claims num-train = {data['num-train']} for partition {pid}, whose size is "
+                            f"{sizes[pid]} (run config partition-sizes, or its first answer)")
+    _check_description(data)
+    counts = _label_counts(content)
+    mine = {key: data.get(key) for key in DESCRIPTION} | {"label-classes": int(counts.numel())}
+    if description is not None and mine != description:
+        raise RejectedReply(f"its data ({mine}) differs from the federation's ({description})")
+    _count(data, "num-train")
+    return {**data, "label_counts": counts, "description": mine}
+
+
+def _check_description(data: Mapping[str, Any]) -> None:
+    """Task a string, classes an integer, shapes lists of integers >= 1 (the server builds its model from them)."""
+    if not isinstance(data.get("task"), str) or isinstance(data.get("num-classes"), bool) or not isinstance(
+            data.get("num-classes"), int):
+        raise RejectedReply(f"task = {data.get('task')!r} / num-classes = {data.get('num-classes')!r} are not a "
+                            "name and an integer")
+    for key in ("input-shape", "target-shape"):
+        shape = data.get(key)
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+                                                  for d in shape):
+            raise RejectedReply(f"{key} = {shape!r} is not a list of sizes >= 1")
+
+
+def _label_counts(content: RecordDict) -> Tensor:
+    try:
+        counts = content.array_records["label-counts"].to_torch_state_dict()["label_counts"]
+    except Exception as exc:  # noqa: BLE001 - anything a node can make the decoder raise
+        raise RejectedReply(f"label-counts is not a record with label_counts ({type(exc).__name__})") from exc
+    if counts.dim() != 1 or counts.dtype != torch.long or bool((counts < 0).any()):
+        raise RejectedReply(f"label_counts must be a 1-d int64 histogram >= 0, got {counts.dtype} "
+                            f"{list(counts.shape)}")
+    return counts.clone()
+
+
+def honest_output(cfg: Any, info: Mapping[str, Any], records: ClientRecord, label_counts: Tensor,
+                  init_params: dict[str, Tensor], server_state: dict[str, Any]) -> ClientOutput:
+    """What an honest client of this federation returns: the algorithm's ``client_update`` for the largest
+    partition, run once on inputs of zeros with that partition's shapes (only the output's structure is used:
+    keys, shapes, dtypes, metric names). Global random state is left as it was."""
+    from lightning_fedmeta.data.federated import from_client_tensors
+    from lightning_fedmeta.flower.client import LocalClient
+
+    pid = int(records.num_samples.argmax())
+    n, task = int(records.num_samples[pid]), str(info["task"])
+    tokens = task == "next_token"
+    x = torch.zeros(n, *info["input-shape"], dtype=torch.long if tokens else torch.float32)
+    y = torch.zeros(n, *info["target-shape"],
+                    dtype=torch.long if task in ("classification", "next_token") else torch.float32)
+    classes = None if int(info["num-classes"]) < 0 else int(info["num-classes"])
+    with torch.random.fork_rng(devices=[]):
+        client = LocalClient(cfg, from_client_tensors([(x, y, x[:1], y[:1])], classes, task=task), pid)
+        client.bind(records, label_counts)
+        state = client.initial_state(init_params, records)
+        return client.train(0, init_params, server_state, state, ClientRecord(*(t[pid] for t in records)), n)
