@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,14 @@ _MODULE_OPTIONS = (
     "clients_per_round", "fraction", "aggregation", "server_lr", "holdout_clients", "seed", "loss", "metrics",
     "aggregator", "dp",
 )
+
+
+def deployed_dp(dp: Any) -> Any:
+    """``model.dp`` as a deployment runs it: ``secure_mode`` on unless the config says ``false`` (a deployment's
+    model is published, so its noise must not be reproducible from ``model.seed``; docs/security.md)."""
+    if isinstance(dp, Mapping) and dp.get("secure_mode") is None:
+        return {**dp, "secure_mode": True}
+    return dp
 
 
 def import_object(path: str, option: str) -> Any:

@@ -36,7 +36,8 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weighted_mean_metrics
-from lightning_fedmeta.flower.config import DeploymentConfig
+from lightning_fedmeta.dp_draws import SecretDraws
+from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
 from lightning_fedmeta.flower.records import client_record_to_record, tree_to_record
 from lightning_fedmeta.flower.replies import (
     RejectedReply,
@@ -49,7 +50,7 @@ from lightning_fedmeta.flower.replies import (
 from lightning_fedmeta.flower.state_file import atomic_torch_save as atomic_save
 from lightning_fedmeta.functional import Params
 from lightning_fedmeta.loop.federation import Federation
-from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite
+from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, noise_only_uploads
 from lightning_fedmeta.loop.stages import ServerContext, Uploads
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
 from lightning_fedmeta.reliability import Reliability
@@ -240,13 +241,16 @@ class DeploymentServer:
         self.counts = torch.tensor([int(self.info[p]["num-train"]) for p in range(k)], dtype=torch.long)
         self.label_counts = torch.stack([self.info[p]["label_counts"] for p in range(k)])
         # the in-process module's federation and server pipeline (participation is real here: nothing simulated)
-        reliability = Reliability.from_options(aggregator=options.get("aggregator"), dp=options.get("dp"))
+        reliability = Reliability.from_options(aggregator=options.get("aggregator"), dp=deployed_dp(options.get("dp")))
         self.federation = Federation(self.seed, options.get("clients_per_round", 10) if options.get("fraction")
                                      is None else None, options.get("fraction"), options.get("holdout_clients", 0),
                                      options.get("aggregation", "samples"), reliability)
         self.federation.bind(self.counts, self.algorithm, str(spec["task"]))
         self.pipeline = ServerPipeline.from_reliability(reliability)
         self.dp_clip = math.inf if reliability.dp is None else float(reliability.dp.clip)
+        # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds
+        self.draws = SecretDraws() if reliability.dp is not None and reliability.dp.secure_mode else None
+        self.federation.cohort_draws = self.draws
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
         self.algorithm.bind_clients(self.records(torch.arange(k)), self.label_counts)
         self.server_state = self.algorithm.init_server_state(self.params())
@@ -428,6 +432,12 @@ class DeploymentServer:
         answered = torch.tensor(sorted(outputs), dtype=torch.long)
         entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist(),
                                  "rejected_replies": len(self.exchanged) - len(outputs)}
+        if answered.numel() == 0 and self.federation.reliability.dp is not None:
+            noise = noise_only_uploads(self.pipeline, self._server_context(round_idx, answered))
+            self._commit(round_idx, answered, noise, entry)
+            self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the DP noise is released all the "
+                     "same")
+            return entry
         if answered.numel() == 0:
             self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the model is unchanged")
             return entry
@@ -492,7 +502,16 @@ class DeploymentServer:
             steps=self.federation.round_steps(round_idx, answered, self.algorithm.round_plan().steps),
             cohort=self.num_sampled, clip=self.dp_clip,
             assumed_byzantine=reliability.assumed_byzantine(self.num_sampled),
+            draws=self.draws, expected_answers=self.expected_answers(),
         )
+
+    def expected_answers(self) -> float:
+        """``m̂`` for adaptive clipping: ``m`` times the fraction of sampled clients that answered in the rounds so
+        far (participation only, never a client's data; ``m`` before the first round). A deployment's dropout is
+        real, not a known probability as in simulation."""
+        sampled = sum(len(e.get("sampled", [])) for e in self.history if "sampled" in e)
+        answered = sum(len(e.get("answered", [])) for e in self.history if "sampled" in e)
+        return float(self.num_sampled) if sampled == 0 or answered == 0 else self.num_sampled * answered / sampled
 
     def evaluate(self, round_idx: int) -> dict[str, float]:
         """The personalised evaluation of every client, summarised as the simulator summarises it

@@ -44,8 +44,14 @@ from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
-from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, skip_server_step
-from lightning_fedmeta.loop.stages import ServerContext, ServerUpdate, Uploads
+from lightning_fedmeta.loop.server import (
+    ServerPipeline,
+    apply_server_step,
+    check_update_finite,
+    noise_only_uploads,
+    skip_server_step,
+)
+from lightning_fedmeta.loop.stages import ServerContext, Uploads
 from lightning_fedmeta.loop.statistics import (
     publish_statistics,
     published_statistics_rows,
@@ -320,15 +326,10 @@ class RoundEngine:
         assert self.model is not None
         nobody = torch.zeros(0, dtype=torch.long)
         ctx = self.server_context(round_idx, nobody, nobody, math.inf if clip is None else float(clip))
-        zeros = {k: torch.zeros_like(v) for k, v in ctx.params.items()}
-        statistics = None
-        if self.running.names and self.pipeline.statistics == "pipeline":
-            statistics = torch.zeros(published_statistics_size(self.model, self.running.names), device=self.device)
-        output = ClientOutput(delta={k: v[None][:0] for k, v in zeros.items()}, state={}, extras={}, metrics={})
-        uploads = Uploads(output, torch.zeros(0), norms=torch.zeros(0, dtype=torch.float64),
-                          update=ServerUpdate(zeros, self.server_state, statistics))
-        noised = self.pipeline.stages[-1](uploads, ctx)
-        assert noised is not None and noised.update is not None
+        published = self.pipeline.statistics == "pipeline"
+        size = published_statistics_size(self.model, self.running.names) if published else 0
+        noised = noise_only_uploads(self.pipeline, ctx, size)
+        assert noised.update is not None
         apply_server_step(optimizer, self.model, noised.update.delta)
         if noised.update.statistics is not None:
             publish_statistics(self.model, self.running.names, noised.update.statistics)

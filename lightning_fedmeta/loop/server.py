@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fedmeta.algorithms.base import ClientOutput
 from lightning_fedmeta.functional import Params
 from lightning_fedmeta.loop.stages import (
     AddDPNoise,
@@ -28,11 +29,15 @@ from lightning_fedmeta.loop.stages import (
     RobustAggregate,
     ServerContext,
     ServerStage,
+    ServerUpdate,
     Uploads,
 )
 from lightning_fedmeta.reliability import Reliability
 
-__all__ = ["ServerPipeline", "apply_server_step", "check_update_finite", "skip_server_step", "sums_finite"]
+__all__ = [
+    "ServerPipeline", "apply_server_step", "check_update_finite", "noise_only_uploads", "skip_server_step",
+    "sums_finite",
+]
 
 
 class ServerPipeline:
@@ -74,6 +79,22 @@ class ServerPipeline:
 
     def __repr__(self) -> str:
         return "ServerPipeline(" + " → ".join(type(s).__name__ for s in self.stages) + ")"
+
+
+def noise_only_uploads(pipeline: ServerPipeline, ctx: ServerContext, statistics_size: int = 0) -> Uploads:
+    """The output of a DP round no client answered: the last stage (``AddDPNoise``) on an empty sum, so
+    ``Δ = (σC/m)·ξ`` and adaptive clipping still updates ``C`` (``statistics_size``: BatchNorm statistics being
+    published get their noise too). Every frontend releases this instead of skipping such a round: skipping would
+    reveal an empty cohort, which the accountant does not cover."""
+    zeros = {k: torch.zeros_like(v) for k, v in ctx.params.items()}
+    device = next(iter(zeros.values())).device
+    statistics = torch.zeros(statistics_size, device=device) if statistics_size else None
+    output = ClientOutput(delta={k: v[None][:0] for k, v in zeros.items()}, state={}, extras={}, metrics={})
+    uploads = Uploads(output, torch.zeros(0), norms=torch.zeros(0, dtype=torch.float64),
+                      update=ServerUpdate(zeros, ctx.server_state, statistics))
+    noised = pipeline.stages[-1](uploads, ctx)
+    assert noised is not None and noised.update is not None, "a DP pipeline ends with AddDPNoise"
+    return noised
 
 
 def sums_finite(sums: list[torch.Tensor]) -> bool:

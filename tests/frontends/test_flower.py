@@ -193,7 +193,9 @@ def test_deployment_equals_in_process(name: str, tmp_path: Path) -> None:
 
 SERVER_STAGES = {
     "median": "  aggregator: median",
-    "dp_adaptive": "  aggregation: uniform\n          dp: {clip: 0.05, noise_multiplier: 0.2, adaptive_clip: true}",
+    # secure_mode off: the deployment's noise is then the in-process run's, so the two can be compared
+    "dp_adaptive": "  aggregation: uniform\n          dp: {clip: 0.05, noise_multiplier: 0.2, adaptive_clip: true, "
+                   "secure_mode: false}",
 }
 
 
@@ -223,6 +225,37 @@ def test_deployment_with_robust_rule_or_dp_equals_in_process(stage: str, tmp_pat
     summary = reference.evaluator.metric.summaries(reference.engine.federation.summary_groups())
     for key in ("acc_weighted", "acc_mean", "acc_worst10", "loss_worst10"):
         assert evaluated[key] == pytest.approx(float(summary["clients"][key]), abs=1e-5), key
+
+
+def test_deployed_dp_draws_its_noise_from_a_secret_by_default(tmp_path: Path) -> None:
+    """A deployment turns model.dp.secure_mode on unless the config turns it off: the same config deployed
+    twice gives two different models (the noise is not reproducible from model.seed), and neither is the
+    in-process (seeded) run's."""
+    extra = "  aggregation: uniform\n          dp: {clip: 0.05, noise_multiplier: 0.2}"
+    cfg_path = write_config(tmp_path, ALGORITHMS["fedavg"], extra=extra)
+    reference = {n: p.detach() for n, p in in_process(cfg_path).model.named_parameters()}
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        server, _ = deployed(write_config(tmp_path / name, ALGORITHMS["fedavg"], extra=extra), tmp_path / name)
+        assert server.federation.reliability.dp.secure_mode and server.draws is not None
+        runs.append(server.params())
+    assert max_diff(runs[0], runs[1]) > 1e-4 and max_diff(runs[0], reference) > 1e-4
+
+
+def test_a_dp_round_nobody_answered_releases_the_noise(tmp_path: Path) -> None:
+    """Every sampled client of round 1 fails: under model.dp the round still releases Δ = (σC/m)·ξ (skipping it
+    would publish that nobody took part), and adaptive clipping's denominator is the answer rate seen so far."""
+    extra = "  aggregation: uniform\n          dp: {clip: 0.05, noise_multiplier: 0.2, secure_mode: false}"
+    cfg_path = write_config(tmp_path, ALGORITHMS["fedavg"], extra=extra)
+    fail = {("train", 1, c) for c in range(NUM_CLIENTS)}
+    server, _ = deployed(cfg_path, tmp_path, fail)
+    silent = server.history[1]
+    assert silent["answered"] == [] and "dp" in silent  # released: its privacy report is logged
+    answered = sum(len(e["answered"]) for e in server.history if "sampled" in e)
+    sampled = sum(len(e["sampled"]) for e in server.history if "sampled" in e)
+    assert server.expected_answers() == pytest.approx(PER_ROUND * answered / sampled)
+    assert server.expected_answers() < PER_ROUND
 
 
 def test_failed_reply_aggregates_survivors(tmp_path: Path) -> None:
