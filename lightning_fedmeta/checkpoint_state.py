@@ -63,6 +63,7 @@ def restore_module_state(module: Any, checkpoint: dict[str, Any]) -> None:
     # evaluating with other metrics: their states differ
     metric_state = None if any(d.name == "model.metrics" for d in changed) else saved.get("metric_state")
     module.evaluator.load_state_dict(metric_state, attached=module.data is not None)
+    module._evaluated_round = saved.get("metric_round")  # None: a checkpoint from before it was recorded
     trained_loss, current = saved.get("loss"), getattr(module, "_loss_name", None)
     if trained_loss is not None and current is not None and trained_loss != current:
         raise ValueError(f"this checkpoint was trained with loss {trained_loss!r}, this module uses {current!r}; "

@@ -53,7 +53,7 @@ from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.privacy_budget import PrivacyBudget
 from lightning_fedmeta.private_fit import start_private_fit
 from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.round_logging import log_round, log_summary
+from lightning_fedmeta.round_logging import log_round, log_summary, record_outside_validation
 
 __all__ = ["FederatedModule", "FederatedSetupError", "format_summary"]
 
@@ -317,9 +317,29 @@ class FederatedModule(LightningModule):
 
     def on_train_start(self) -> None:
         """Under ``model.dp``: continue the model's privacy record and choose the noise source
-        (:func:`~lightning_fedmeta.private_fit.start_private_fit`)."""
+        (:func:`~lightning_fedmeta.private_fit.start_private_fit`); after a resume, run the evaluation the
+        checkpoint was written before."""
         if self.reliability.dp is not None:
             self._budget = start_private_fit(self)
+        if self._evaluation_pending():
+            rank_zero_info(f"[lightning_fedmeta] the checkpoint was written after round {self._loaded_round}, before "
+                           "its evaluation: evaluating it now")
+            self._run_pending_validation()
+
+    def _run_pending_validation(self) -> None:
+        """The evaluation of the resumed round, logged at that round and passed to the callbacks
+        (:func:`~lightning_fedmeta.round_logging.record_outside_validation`)."""
+        record_outside_validation(self, self._evaluate("val", log=False), self._loaded_round)
+
+    def _evaluation_pending(self) -> bool:
+        """Whether this fit resumed from a checkpoint of an evaluation round written before that round's evaluation
+        (``ModelCheckpoint(every_n_train_steps=...)`` saves after the training step; Lightning then skips the
+        validation on resume, so the evaluation would never be recorded)."""
+        r, evaluated = self._loaded_round, getattr(self, "_evaluated_round", None)
+        eval_every = getattr(getattr(self.trainer, "datamodule", None), "eval_every", None)
+        if r <= 0 or int(self.global_step) != r or evaluated is None or evaluated == r or not eval_every:
+            return False
+        return r % int(eval_every) == 0 and bool(self.trainer.limit_val_batches)
 
     def epsilon_spent(self, rounds: int) -> float:
         """ε after ``rounds`` rounds of this fit of ``model.dp`` at its ``delta``, the rounds of earlier fits of

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_fedmeta.loop.round import RoundReport
@@ -51,14 +52,36 @@ def log_round(module: Any, report: RoundReport) -> None:
         module.log("privacy/secure_mode", float(module.reliability.dp.secure_mode), **_STEP)
 
 
-def log_summary(module: Any, stage: str, summary: dict[str, dict[str, Tensor]], sample: Tensor | None) -> None:
-    """Log an evaluation's summaries (``sample``: the clients of a sampled validation, else ``None``)."""
+def summary_metrics(stage: str, summary: dict[str, dict[str, Tensor]], sample: Tensor | None) -> dict[str, Tensor]:
+    """An evaluation's summaries by logged name: ``<stage>/<metric>`` for the training clients, ``<stage>/<group>/
+    <metric>`` for the other groups, and ``<stage>/evaluated_clients`` for a sampled evaluation."""
+    out: dict[str, Tensor] = {}
     for group, values in summary.items():
         if group.startswith("_"):
             continue
         prefix = f"{stage}/" if group == "clients" else f"{stage}/{group}/"
-        for name, v in values.items():
-            bar = group == "clients" and name == f"{module.primary_metric}_weighted"
-            module.log(prefix + name, v.float(), prog_bar=bar, batch_size=1, sync_dist=False)
+        out.update({prefix + name: v.float() for name, v in values.items()})
     if sample is not None:
-        module.log(f"{stage}/evaluated_clients", float(sample.numel()), batch_size=1, sync_dist=False)
+        out[f"{stage}/evaluated_clients"] = torch.tensor(float(sample.numel()))
+    return out
+
+
+def log_summary(module: Any, stage: str, summary: dict[str, dict[str, Tensor]], sample: Tensor | None) -> None:
+    """Log an evaluation's summaries (``sample``: the clients of a sampled validation, else ``None``)."""
+    primary = f"{stage}/{module.primary_metric}_weighted"
+    for name, value in summary_metrics(stage, summary, sample).items():
+        module.log(name, value, prog_bar=name == primary, batch_size=1, sync_dist=False)
+
+
+def record_outside_validation(module: Any, summary: dict[str, dict[str, Tensor]], round_idx: int) -> None:
+    """Record a validation that ran outside Lightning's validation loop (a resume's pending evaluation): its values
+    go to every logger at the step Lightning's own validation after ``round_idx`` logs at, and to
+    ``trainer.callback_metrics``, and every callback's ``on_validation_end`` runs, as after a validation loop (the
+    plots' history records it at this round)."""
+    trainer = module.trainer
+    metrics = summary_metrics("val", summary, None)
+    trainer.callback_metrics.update(metrics)
+    for logger in trainer.loggers:  # at the step Lightning gives a validation after round r: r − 1 (its counter
+        logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=round_idx - 1)  # moves on after it)
+    for callback in trainer.callbacks:
+        callback.on_validation_end(trainer, module)

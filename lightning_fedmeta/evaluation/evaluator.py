@@ -182,8 +182,10 @@ class Evaluator:
     # state and output
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The last evaluation's per-client metric states (a resumed run reports the same per-client values)."""
-        return {"metric_state": self.metric.state_dict() if hasattr(self, "metric") else None}
+        """The last evaluation's per-client metric states (a resumed run reports the same per-client values) and the
+        round it was measured after (``-1``: none yet)."""
+        return {"metric_state": self.metric.state_dict() if hasattr(self, "metric") else None,
+                "metric_round": self.last_summary_round}
 
     def load_state_dict(self, state: dict[str, Tensor] | None, attached: bool) -> None:
         if state is None:
