@@ -16,8 +16,10 @@ tensors, kept on CPU) that the federated LightningModule reads from
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -313,6 +315,42 @@ class FederatedDataModule(L.LightningDataModule):
             train_x, train_y, parts, test_x, test_y, test_parts, int(_NUM_CLASSES[self.dataset] or 0),
             transform=partial(_standardize, name=self.dataset),
         )
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None, weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> FederatedDataModule:
+        """The datamodule a checkpoint was trained with, read as data only (docs/security.md): the file is read with
+        ``torch.load(weights_only=True)`` (URLs too; ``weights_only=False`` is refused), and a saved setting that
+        names a folder or code (``root``, a dataset class) is taken only when passed again as a keyword argument
+        (``root=...``); ``hparams_file`` (a YAML file of your choosing) replaces the saved settings."""
+        from lightning_fedmeta.checkpointing import (
+            CheckpointSettingsError,
+            code_or_path_settings,
+            load_checkpoint_file,
+            refuse_unsafe_load,
+            signature_defaults,
+        )
+
+        refuse_unsafe_load(weights_only, checkpoint_path)
+        checkpoint = load_checkpoint_file(checkpoint_path, map_location or "cpu", weights_only=True)
+        saved = dict(checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {})
+        if hparams_file is not None:
+            import yaml
+
+            with open(hparams_file, encoding="utf-8") as f:
+                saved = dict(yaml.safe_load(f) or {})
+        defaults = signature_defaults(cls)
+        taken = {k: v for k, v in saved.items() if k not in kwargs and not (k in defaults and defaults[k] == v)}
+        refused = code_or_path_settings("data", taken)
+        if refused:
+            raise CheckpointSettingsError(
+                f"{os.fspath(checkpoint_path) if isinstance(checkpoint_path, str | os.PathLike) else checkpoint_path}"
+                f" names {', '.join(refused)}: a checkpoint is data and may not choose a folder or code to read; pass "
+                f"the setting again (FederatedDataModule.load_from_checkpoint(path, root=...)) if you trust it"
+            )
+        return cls(**{**saved, **kwargs})
 
     def train_dataloader(self) -> DataLoader:
         """One token per communication round up to the next evaluation (:class:`TrainingRounds`):

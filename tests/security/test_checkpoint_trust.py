@@ -373,3 +373,30 @@ def test_compare_still_reads_a_well_formed_history(tmp_path: Path) -> None:
                                                            "metrics": {"val/acc_weighted": None}}]}))
     summaries = compare_main([str(path), "--out", str(tmp_path)], stream=io.StringIO())
     assert [s["rounds"] for s in summaries.values()] == [2]
+
+
+# ----------------------------------------------------------------------------------------------
+# the datamodule's load_from_checkpoint (Lightning's own read http URLs with weights_only=False)
+# ----------------------------------------------------------------------------------------------
+def test_the_datamodule_from_a_url_never_runs_a_pickle_payload(served: tuple[Path, str]) -> None:
+    from lightning_fedmeta.data import FederatedDataModule
+
+    folder, url = served
+    _malicious_checkpoint(folder)
+    with pytest.raises(ValueError):
+        FederatedDataModule.load_from_checkpoint(f"{url}/evil.ckpt")
+    assert not (folder / "code-ran").exists()
+    with pytest.raises(ValueError, match="weights_only"):
+        FederatedDataModule.load_from_checkpoint(f"{url}/evil.ckpt", weights_only=False)
+
+
+def test_the_datamodule_takes_no_folder_from_the_checkpoint_unless_passed(tmp_path: Path) -> None:
+    from lightning_fedmeta.data import FederatedDataModule
+
+    path = tmp_path / "dm.ckpt"
+    settings = {"dataset": "cifar10", "root": str(tmp_path / "attacker"), "num_clients": 4}
+    torch.save(seal_checkpoint({"datamodule_hyper_parameters": settings, "state_dict": {}}), path)
+    with pytest.raises(ValueError, match=r"data\.root=.*attacker.*root=\.\.\."):
+        FederatedDataModule.load_from_checkpoint(path)
+    dm = FederatedDataModule.load_from_checkpoint(path, root=str(tmp_path / "mine"))
+    assert dm.root == str(tmp_path / "mine") and dm.num_clients == 4
