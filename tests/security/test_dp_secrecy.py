@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.dp_draws import KEY_BYTES, SecretDraws, SeededDraws, secret_normal, secret_uniform
@@ -50,6 +51,15 @@ def _attack(published: dict[str, torch.Tensor], clip: float, cohort: int) -> dic
     sigma, _ = noise_multipliers(DPSpec(clip=clip), cohort)
     noise = SeededDraws(SEED).noise_tree(published, sigma * clip / cohort, "dp-noise", 0)
     return {k: v - noise[k] for k, v in published.items()}
+
+
+def _fit_saving(module: FederatedModule, folder: Any, rounds: int) -> Any:
+    """``rounds`` rounds with a checkpoint at the last one, quietly; returns that checkpoint's path."""
+    saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=rounds, save_top_k=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(rounds, callbacks=[saver], enable_checkpointing=True).fit(module, tiny_datamodule(eval_every=100))
+    return next(folder.glob("*.ckpt"))
 
 
 def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -109,13 +119,8 @@ def test_secret_normals_are_standard_normal_and_independent_of_torch_seeds() -> 
 
 
 def test_the_secret_key_is_in_no_checkpoint(tmp_path: Any) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     module = _dp_module(secure=True, clients_per_round=3)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        make_trainer(2, callbacks=[checkpoint], enable_checkpointing=True).fit(module, tiny_datamodule(eval_every=100))
+    _fit_saving(module, tmp_path, 2)
     key = module.engine.draws._key  # type: ignore[union-attr]
     assert len(key) == KEY_BYTES and "secret" in repr(module.engine.draws)
     files = list(tmp_path.glob("*.ckpt"))
@@ -139,14 +144,9 @@ def test_without_secure_mode_every_reported_epsilon_carries_the_warning(caplog: 
 # item 10: a warm start continues ε and never reuses noise
 # ----------------------------------------------------------------------------------------------
 def test_a_warm_start_continues_epsilon_and_the_release_count(tmp_path: Any) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    first = _dp_module(secure=False, clients_per_round=3)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    path = _fit_saving(_dp_module(secure=False, clients_per_round=3), tmp_path, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer(4, callbacks=[checkpoint], enable_checkpointing=True).fit(first, tiny_datamodule(eval_every=100))
-        path = next(tmp_path.glob("*.ckpt"))
         warm = FederatedModule.load_from_checkpoint(path, model=torch.nn.Linear(5, 3))
         fit(warm, tiny_datamodule(eval_every=100), 4)
     uninterrupted = PrivacyAccountant(1.0, 3 / 6)
@@ -157,15 +157,11 @@ def test_a_warm_start_continues_epsilon_and_the_release_count(tmp_path: Any) -> 
 
 
 def test_a_resumed_fit_accounts_its_rounds_once(tmp_path: Any) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    module = _dp_module(secure=False, clients_per_round=3)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    path = _fit_saving(_dp_module(secure=False, clients_per_round=3), tmp_path, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer(3, callbacks=[checkpoint], enable_checkpointing=True).fit(module, tiny_datamodule(eval_every=100))
         resumed = _dp_module(secure=False, clients_per_round=3)
-        fit(resumed, tiny_datamodule(eval_every=100), 5, ckpt_path=str(next(tmp_path.glob("*.ckpt"))))
+        fit(resumed, tiny_datamodule(eval_every=100), 5, ckpt_path=str(path))
     assert resumed.engine.federation.round_offset == 0
     assert resumed.privacy_record() == {"history": [[1.0, 0.5, 5]], "released": 5}
 
