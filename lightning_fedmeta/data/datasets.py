@@ -35,9 +35,11 @@ from torch import Tensor
 
 try:  # numpy 2
     from numpy._core.multiarray import _reconstruct as _np_reconstruct
+    from numpy._core.multiarray import scalar as _np_scalar
     from numpy._core.numeric import _frombuffer as _np_frombuffer
 except ImportError:  # numpy 1
     from numpy.core.multiarray import _reconstruct as _np_reconstruct
+    from numpy.core.multiarray import scalar as _np_scalar
     from numpy.core.numeric import _frombuffer as _np_frombuffer
 
 from lightning_fedmeta.data.idx import check_idx_images, idx_labels_tensor, read_idx_arrays
@@ -233,8 +235,8 @@ def load_mnist(root: str | os.PathLike[str], download: bool = False) -> Centrali
 
 
 class _CifarUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals a CIFAR-10 batch needs: numpy array reconstruction
-    (``ndarray``, ``dtype``, ``_reconstruct``, ``_frombuffer``, under numpy 1's and 2's module names) and
+    """An unpickler that resolves only the globals a CIFAR-10 batch needs: numpy array and scalar reconstruction
+    (``ndarray``, ``dtype``, ``_reconstruct``, ``scalar``, ``_frombuffer``, under numpy 1's and 2's module names) and
     ``_codecs.encode`` (how protocol 2 writes ``bytes``). Anything else (``os.system``, ``builtins.exec``, any
     class) is refused before it is called, so a crafted batch file cannot run code."""
 
@@ -243,6 +245,8 @@ class _CifarUnpickler(pickle.Unpickler):
         ("numpy", "dtype"): np.dtype,
         ("numpy.core.multiarray", "_reconstruct"): _np_reconstruct,
         ("numpy._core.multiarray", "_reconstruct"): _np_reconstruct,
+        ("numpy.core.multiarray", "scalar"): _np_scalar,  # a numpy scalar (np.int64 label) from dtype and bytes
+        ("numpy._core.multiarray", "scalar"): _np_scalar,
         ("numpy.core.numeric", "_frombuffer"): _np_frombuffer,  # protocol 5
         ("numpy._core.numeric", "_frombuffer"): _np_frombuffer,
         ("_codecs", "encode"): codecs.encode,
