@@ -60,7 +60,7 @@ def test_a_run_resumed_into_another_folder_writes_only_there_and_survives_the_ol
         tmp_path: Path) -> None:
     straight = _ditto("memory")
     make_trainer(6).fit(straight, tiny_datamodule(eval_every=2))
-    _fit_in(tmp_path / "old", 2)
+    _fit_in(tmp_path / "old", 2).client_states.close()  # the old run ended: its working files are gone
     before = _tree(tmp_path / "old" / "client_state")
     moved = _fit_in(tmp_path / "new", 4, tmp_path / "old" / "ckpt" / "step=2.ckpt")
     assert Path(moved.client_states.directory) == tmp_path / "new" / "client_state" / "rank-0"
