@@ -311,7 +311,7 @@ class FedMetaCLI(LightningCLI):
             if found is None:
                 _refuse_missing_last(searched)
                 rank_zero_warn(
-                    f"--ckpt_path last: no checkpoint in {searched or 'any checkpoint folder'}; this run starts "
+                    f"--ckpt_path last: no last*.ckpt in {searched or 'any checkpoint folder'}; this run starts "
                     "at round 0 (the first start of a job that passes --ckpt_path last on every start)"
                 )
                 cfg.ckpt_path = None
@@ -527,6 +527,8 @@ def quiet_console() -> None:
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
     # `--ckpt_path last` resumes into a new version_N folder on purpose; Lightning warns that the folder changed
     warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    # a round's checkpoint holds the model after the round's server step, which is what a federated resume needs
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
 
 
 class _ModelSummaryWithoutFlops(ModelSummary):
