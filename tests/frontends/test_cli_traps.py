@@ -1,5 +1,5 @@
-"""Traps a new user of the ``fedmeta`` command hit (issue 31, items 5, 6, 7, 8, 11): resuming with ``--ckpt_path
-last`` after a default fit, a ``class_path`` to their own module, ``--help``, and a console full of third-party noise."""
+"""Traps a new user of the ``fedmeta`` command hit (issue 31, items 5, 6, 8, 11): resuming with ``--ckpt_path last``
+after a default fit, a ``class_path`` to their own module, ``--help``, and a console full of third-party noise."""
 
 from __future__ import annotations
 
