@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -314,9 +315,14 @@ class RoundProgressBar(TQDMProgressBar):
 
     The training bar is created once, labelled ``Rounds``, runs from the resumed round to
     ``trainer.max_steps`` across epochs (one epoch is ``eval_every`` rounds), and its postfix shows
-    ``round``, ``clients`` (sampled this round), ``loss`` (weighted mean client loss) and the last
+    ``round``, ``clients`` (sampled this round), ``loss`` (weighted mean client loss of the latest round, not the
+    last logged one: ``train/loss`` is logged every ``log_every_n_steps`` rounds) and the last
     personalised ``val/{metric}_weighted`` of the module's primary metric (``val/acc_weighted`` for
     classification by default; see :func:`module_metrics`). Validation and test bars are TQDM's.
+
+    Where the output is not a terminal (a log file, a pipe; or ``plain=True``), no bar is drawn: each evaluation
+    prints one line, ``round 10/100: clients 10, loss 0.9093, val/acc_weighted 0.8460``, so a log file holds one
+    line per evaluation instead of every redraw.
 
     The count advances every round; the bar is redrawn at most every ``mininterval`` seconds of the
     tqdm bar (0.1 s), at the last round and at every epoch end, so fast rounds do not pay for a
@@ -324,6 +330,20 @@ class RoundProgressBar(TQDMProgressBar):
     """
 
     _last_redraw: float = -math.inf  # time.monotonic() of the last redraw of the training bar
+
+    def __init__(self, *args: Any, plain: bool | None = None, **kwargs: Any) -> None:
+        """``plain``: one printed line per evaluation instead of bars (``None``: when stdout is not a terminal);
+        the other arguments are ``TQDMProgressBar``'s."""
+        super().__init__(*args, **kwargs)
+        self.plain = plain
+        self._round_loss: Any = None  # the latest round's loss (a tensor: read only when shown)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.plain is None:
+            self.plain = not _is_terminal(sys.stdout)
+        if self.plain:
+            self.disable()
 
     def _total_rounds(self, trainer: pl.Trainer) -> int | None:
         if trainer.max_steps is not None and trainer.max_steps > 0:
@@ -334,6 +354,7 @@ class RoundProgressBar(TQDMProgressBar):
         return None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._round_loss = None
         self.train_progress_bar = self.init_train_tqdm()
         self.train_progress_bar.reset(total=self._total_rounds(trainer))
         self.train_progress_bar.initial = 0
@@ -355,6 +376,7 @@ class RoundProgressBar(TQDMProgressBar):
         as much as a cheap round, so rounds that end within ``mininterval`` (tqdm's own redraw throttle,
         0.1 s) of the last redraw only advance the count; the last round and every epoch end redraw.
         """
+        self._round_loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         bar = self.train_progress_bar
         n = int(trainer.global_step)
         if bar is None or bar.disable or not self._should_update(n, bar.total or 0):
@@ -371,11 +393,26 @@ class RoundProgressBar(TQDMProgressBar):
             self._last_redraw = time.monotonic()
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Close the validation bar; in plain mode print the evaluation's line (rank zero)."""
+        super().on_validation_end(trainer, pl_module)
+        if self.plain and trainer.is_global_zero and not trainer.sanity_checking:
+            print(self.evaluation_line(trainer, pl_module), flush=True)
+
+    def evaluation_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """``round R/T: clients C, loss L, val/acc_weighted A`` (what the bar's postfix shows), for plain mode."""
+        shown = self.get_metrics(trainer, pl_module)
+        total = self._total_rounds(trainer)
+        head = f"round {shown.pop('round')}" + (f"/{total}" if total else "")
+        parts = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()]
+        return f"{head}: " + ", ".join(parts)
+
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """``round``, ``clients``, ``loss`` and the last ``val/{primary}_weighted`` (plus other bar metrics).
 
         The primary metric's weighted value is taken from ``trainer.callback_metrics`` when the
         module did not log it to the progress bar itself; it is absent before the first evaluation.
+        The loss is the latest round's (none for a round nobody answered), else the last logged one.
         """
         items = dict(super().get_metrics(trainer, pl_module))
         primary_key = f"val/{module_metrics(pl_module)[0]}_weighted"
@@ -388,9 +425,18 @@ class RoundProgressBar(TQDMProgressBar):
         clients = items.pop("clients", None)
         if clients is not None:
             shown["clients"] = int(float(clients))
-        for key in ("train/loss", "loss"):
-            if key in items:
-                shown["loss"] = items.pop(key)
-                break
+        logged_loss = next((items.pop(key) for key in ("train/loss", "loss") if key in items), None)
+        loss = _to_float(self._round_loss) if self._round_loss is not None else logged_loss
+        if loss is not None and shown.get("clients", 1) > 0:
+            shown["loss"] = loss
         shown.update(items)
         return shown
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (a log file or a pipe is not)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (ValueError, OSError):  # a closed stream
+        return False

@@ -31,15 +31,19 @@ from __future__ import annotations
 
 import glob
 import inspect
+import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 from lightning_fedmeta.checkpointing import (
     CHANGEABLE_DATA_SETTINGS,
@@ -172,6 +176,21 @@ def find_last_checkpoint(trainer_cfg: Any) -> tuple[str | None, list[str]]:
     return (max(found)[1] if found else None), dirs
 
 
+def _refuse_missing_last(searched: Sequence[str]) -> None:
+    """Refuse ``--ckpt_path last`` when earlier runs left checkpoints but no ``last*.ckpt`` (e.g. written by a
+    ``ModelCheckpoint(save_last=False)``): starting again at round 0 beside them would silently lose their rounds.
+    Folders without any checkpoint (the first start of a job) pass."""
+    others = sorted((entry.stat().st_mtime_ns, entry.path) for directory in searched if os.path.isdir(directory)
+                    for entry in os.scandir(directory) if entry.is_file() and entry.name.endswith(".ckpt"))
+    if others:
+        newest = others[-1][1]
+        raise FedMetaConfigError(
+            f"--ckpt_path last: no last*.ckpt in {list(searched)}, but {len(others)} other checkpoint(s) there; "
+            f"resume from one by its path (the newest: --ckpt_path {newest}), or leave out --ckpt_path to start a "
+            "new run at round 0"
+        )
+
+
 @rank_zero_only
 def _remove_stale_partials(dirs: Sequence[str]) -> None:
     """Remove the temporary files of killed saves from the earlier runs' checkpoint folders ``--ckpt_path last``
@@ -192,6 +211,33 @@ def _requested_subcommand(args: Any, names: Sequence[str]) -> str | None:
     return None
 
 
+# the helper commands `run` handles before any parser is built; listed in `fedmeta --help` with these lines
+HELPER_DESCRIPTIONS = {
+    "algorithms": "List every registered algorithm (built-in and plugins) with its distribution and summary.",
+    "compare": "Plot and tabulate several runs' personalised metrics (fedmeta compare --help).",
+}
+
+_CLASS_PATH_PROBLEM = re.compile(r"Problem with given class_path '([^']+)':\s*\n\s*(\S[^\n]*)")
+_PARSER_KEY = re.compile(r'key "([^"]+)"')
+
+
+class FedMetaArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser; a ``class_path`` that cannot be imported is reported in one line (which option,
+    which path, what failed to import), not after the usage text."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        problem = _CLASS_PATH_PROBLEM.search(message)
+        if problem is None or not self.exit_on_error:
+            super().error(message, ex)
+        key = _PARSER_KEY.search(message)
+        where = f"{key.group(1)}: " if key else ""
+        raise FedMetaConfigError(
+            f"{where}class_path {problem.group(1)!r} cannot be imported: {problem.group(2).strip()} (module paths "
+            f"resolve from the working directory {os.getcwd()} and PYTHONPATH; run fedmeta from the folder that "
+            "holds your module, or add that folder to PYTHONPATH)"
+        )
+
+
 class FedMetaCLI(LightningCLI):
     """LightningCLI with federated defaults: an epoch is ``data.eval_every`` rounds, ``max_steps`` counts rounds.
 
@@ -202,9 +248,24 @@ class FedMetaCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", FedMetaArgumentParser)
         bound = inspect.signature(LightningCLI.__init__).bind(self, *args, **kwargs)
         self._only_subcommand = _requested_subcommand(bound.arguments.get("args"), tuple(self.subcommands()))
         super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """LightningCLI's subcommands without ``predict``: a federated module has no single model to predict with
+        (each client has its own, personalised one: ``module.personalize(i)``)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """LightningCLI's subcommands, and the helper commands listed beside them in ``fedmeta --help`` (their
+        parsers are never used: :func:`run` handles them before the CLI is built)."""
+        super()._add_subcommands(parser, **kwargs)
+        for name, description in HELPER_DESCRIPTIONS.items():
+            parser._subcommands_action.add_subcommand(name, self.init_parser(description=description),
+                                                      help=description)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse as LightningCLI does; with a ``ckpt_path``, also note which settings the user gave (a config
@@ -248,9 +309,10 @@ class FedMetaCLI(LightningCLI):
         if sub == "fit" and str(ckpt_path) == "last":
             found, searched = find_last_checkpoint(_get(cfg, "trainer"))
             if found is None:
+                _refuse_missing_last(searched)
                 rank_zero_warn(
                     f"--ckpt_path last: no last*.ckpt in {searched or 'any checkpoint folder'}; this run starts "
-                    "at round 0 (save them with a ModelCheckpoint(save_last=True) callback)"
+                    "at round 0 (the first start of a job that passes --ckpt_path last on every start)"
                 )
                 cfg.ckpt_path = None
                 return
@@ -387,11 +449,30 @@ class FedMetaCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, list | tuple) else ([callbacks] if callbacks else [])
         if getattr(self, "_want_plots", False) and not any(isinstance(c, PlotCallback) for c in callbacks):
             callbacks.append(PlotCallback())
+        if trainer_cfg.get("enable_checkpointing") is not False:
+            _save_last_checkpoint(callbacks)
+        if trainer_cfg.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary)
+                                                                            for c in callbacks):
+            callbacks.append(_ModelSummaryWithoutFlops())
         wants_bar = trainer_cfg.get("enable_progress_bar") is not False
         if wants_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(RoundProgressBar())
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
+
+
+def _save_last_checkpoint(callbacks: list[Any]) -> None:
+    """Make ``fedmeta fit`` write ``last.ckpt``, which ``--ckpt_path last`` resumes from: add a
+    ``ModelCheckpoint(save_last=True)`` (Lightning's default checkpoint, plus ``last.ckpt``) when the user configured
+    none, else turn on ``save_last`` of the first of theirs, unless one already sets it (``save_last: false`` given
+    by the user is kept)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    if not checkpoints:
+        callbacks.append(ModelCheckpoint(save_last=True))
+    elif all(c.save_last is None for c in checkpoints):
+        checkpoints[0].save_last = True
 
 
 def _refuse_code_or_paths(path: str, fill_model: dict[str, Any], model_now: dict[str, Any],
@@ -419,6 +500,56 @@ def _as_dict(node: Any) -> dict[str, Any]:
     return dict(node)
 
 
+# third-party console lines that say nothing about a federated run (docs/cli.md, "A quiet console"): Lightning's
+# advertisements, availability lines of accelerators that are absent, the note that fedmeta's model summary replaced
+# Lightning's, and torch's CUDA_HOME notice when a CPU run compiles
+_NOISE_PREFIXES = ("💡 Tip:", "GPU available: False", "TPU available: False", "HPU available: False",
+                   "Trainer already configured with model summary callbacks")
+_NOISE_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                  "torch.utils.cpp_extension")
+
+
+class _NoiseFilter(logging.Filter):
+    """Drops the log records of :data:`_NOISE_PREFIXES` (and torch's "No CUDA runtime is found")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith(_NOISE_PREFIXES) or message.startswith("No CUDA runtime is found"))
+
+
+def quiet_console() -> None:
+    """Silence the third-party lines of :data:`_NOISE_PREFIXES` and Lightning's deprecation warnings about torch
+    internals (``LeafSpec``), once per process; fedmeta's own lines, errors and warnings stay."""
+    for name in _NOISE_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoiseFilter) for f in log.filters):
+            log.addFilter(_NoiseFilter())
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    # `--ckpt_path last` resumes into a new version_N folder on purpose; Lightning warns that the folder changed
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    # a round's checkpoint holds the model after the round's server step, which is what a federated resume needs
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+
+
+class _ModelSummaryWithoutFlops(ModelSummary):
+    """Lightning's text model summary, without the FLOPs column and total when they are 0 (Lightning counts FLOPs
+    only for a module with an ``example_input_array``; a 0 reads as a broken model). Text, not a rich table, so a
+    log file holds plain lines."""
+
+    @staticmethod
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int,
+                  **summarize_kwargs: Any) -> None:
+        if total_flops:
+            ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
+                                   total_training_modes, total_flops, **summarize_kwargs)
+            return
+        columns = [column for column in summary_data if column[0] != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+                                      total_flops, *columns)
+        logging.getLogger(ModelSummary.__module__).info("\n" + table.rsplit("\n", 1)[0])  # without "Total Flops"
+
+
 def print_algorithms(stream: Any = None) -> None:
     """Print every registered algorithm with its distribution and one-line summary."""
     from lightning_fedmeta.registry import describe_algorithms
@@ -441,8 +572,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``fedmeta`` console script (returns nothing, so the exit status is 0).
 
     A :class:`FedMetaConfigError` is printed as ``fedmeta: error: <message>`` on stderr, without a
-    traceback, and exits with status 2 (as argument errors do).
+    traceback, and exits with status 2 (as argument errors do). The working directory goes first on ``sys.path``,
+    as under ``python -m``, so a ``class_path`` to the user's own module there imports without ``PYTHONPATH=.``.
     """
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does: the user's own modules import
+        sys.path.insert(0, os.getcwd())
     try:
         run(argv)
     except FedMetaConfigError as exc:
@@ -468,6 +602,7 @@ def run(argv: Sequence[str] | None = None) -> Any:
         except (CompareError, FileNotFoundError) as exc:  # a request to fix, not a bug: message alone, status 2
             raise FedMetaConfigError(str(exc)) from exc
         return None
+    quiet_console()
     return FedMetaCLI(
         FederatedModule,
         FederatedDataModule,

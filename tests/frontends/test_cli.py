@@ -27,8 +27,8 @@ def test_fit_with_the_quickstart_config_completes_and_writes_a_checkpoint(fitted
     root, cli = fitted
     assert cli.trainer.global_step == 4  # type: ignore[attr-defined]
     assert cli.model.algorithm.name == "fedavg"  # type: ignore[attr-defined]
-    ckpts = list(root.rglob("*.ckpt"))
-    assert len(ckpts) == 1
+    ckpts = sorted(root.rglob("*.ckpt"))
+    assert [p.name for p in ckpts] == ["epoch=0-step=4.ckpt", "last.ckpt"]  # last.ckpt for --ckpt_path last
     saved = torch.load(ckpts[0], weights_only=True)
     assert saved["global_step"] == 4
     assert saved["hyper_parameters"]["algorithm"]["name"] == "fedavg"

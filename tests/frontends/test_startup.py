@@ -229,10 +229,10 @@ def test_fit_builds_the_fit_parser_alone_and_still_runs(tmp_path: Path) -> None:
                "--plots", "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
     assert isinstance(cli, FedMetaCLI) and cli.trainer.global_step == 1
     parsers = cli._subcommand_parsers
-    assert set(parsers) == {"fit", "validate", "test", "predict"}
+    assert set(parsers) == {"fit", "validate", "test"}  # no predict (issue 31)
     fit_keys = {a.dest for a in parsers["fit"]._actions}
     assert {"trainer", "model", "data"} <= {k.split(".")[0] for k in fit_keys}
-    for name in ("validate", "test", "predict"):  # registered, never parsed in this run
+    for name in ("validate", "test"):  # registered, never parsed in this run
         assert not any(a.dest.startswith(("trainer", "model", "data")) for a in parsers[name]._actions)
 
 
@@ -241,7 +241,7 @@ def test_help_without_a_leading_subcommand_builds_and_lists_every_subcommand(cap
         run(["--help"])
     assert exit_info.value.code == 0
     shown = capsys.readouterr().out
-    assert all(name in shown for name in ("fit", "validate", "test", "predict"))
+    assert all(name in shown for name in ("fit", "validate", "test", "algorithms", "compare"))
 
 
 def test_validate_help_still_offers_untrained_and_the_trainer_flags(capsys: pytest.CaptureFixture) -> None:
