@@ -236,7 +236,7 @@ def attribute_docs(source_module: Any, class_name: str | None = None) -> dict[st
         body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), [])
     docs: dict[str, tuple[str, str]] = {}
     lines = source.split("\n")
-    for node, after in zip(body, [*body[1:], None]):
+    for node, after in zip(body, [*body[1:], None], strict=True):
         doc = _comment_doc(lines, node.lineno - 2)
         if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
             doc = after.value.value
@@ -294,9 +294,16 @@ class Renderer:
     def __init__(self, reference: Reference, page: str) -> None:
         self.reference = reference
         self.page = page
+        self.used: set[str] = set()
 
-    def _record(self, obj: Any, path: str, heading: str) -> None:
+    def _record(self, obj: Any, path: str, level: int, name: str) -> str:
+        """The heading of ``obj`` (its full path when ``name`` is taken on this page), its anchor recorded."""
+        if name in self.used:
+            name = path
+        self.used.add(name)
+        heading = _heading(level, name)
         self.reference.add(obj, path, self.page, slug(heading))
+        return heading
 
     def link(self, target: str, tilde: bool, scope: Any, owner: Any = None) -> str:
         """A Sphinx role's target as a link to its entry, resolved in ``owner``'s then ``scope``'s names."""
@@ -339,15 +346,13 @@ class Renderer:
         if isinstance(fn, classmethod | staticmethod):
             prefix, fn = f"{type(fn).__name__} ", fn.__func__
         signature = _signature(fn, drop_first=owner is not None and not isinstance(raw, staticmethod))
-        heading = _heading(level, name)
-        self._record(raw, f"{fn.__module__}.{fn.__qualname__}", heading)
+        heading = self._record(raw, f"{fn.__module__}.{fn.__qualname__}", level, name)
         shown = format_signature(fn.__name__, signature, prefix) if signature else prefix + fn.__name__
         return f"{heading}\n\n{_code(shown)}\n{self.doc(fn.__doc__, scope, owner)}"
 
     def prop(self, value: property, name: str, level: int, scope: Any, owner: Any) -> str:
         """A property: its type (the getter's return annotation) and the getter's docstring."""
-        heading = _heading(level, name)
-        self._record(value, f"{owner.__module__}.{owner.__qualname__}.{name.rsplit('.', 1)[-1]}", heading)
+        heading = self._record(value, f"{owner.__module__}.{owner.__qualname__}.{name.rsplit('.', 1)[-1]}", level, name)
         returns = inspect.signature(value.fget).return_annotation if value.fget else inspect.Signature.empty
         kind = "" if returns is inspect.Signature.empty else f": {_annotation(returns)}"
         shown = f"property {name.rsplit('.', 1)[-1]}{kind}"
@@ -355,15 +360,13 @@ class Renderer:
 
     def data(self, value: Any, name: str, code: str, doc: str, level: int, scope: Any, path: str) -> str:
         """A documented module- or class-level value: the assignment as written, then its docstring."""
-        heading = _heading(level, name)
-        self._record(value, path, heading)
+        heading = self._record(value, path, level, name)
         return f"{heading}\n\n{_code(code)}\n{self.doc(doc, scope)}"
 
     def klass(self, cls: type, name: str, level: int) -> str:
         """A class: heading, constructor signature, bases, docstring, then its own documented members."""
         scope = sys.modules[cls.__module__]
-        heading = _heading(level, name)
-        self._record(cls, f"{cls.__module__}.{cls.__qualname__}", heading)
+        heading = self._record(cls, f"{cls.__module__}.{cls.__qualname__}", level, name)
         signature = None if getattr(cls, "_is_protocol", False) else _signature(cls, drop_first=False)
         if signature is not None:
             signature = signature.replace(return_annotation=inspect.Signature.empty)
@@ -392,17 +395,17 @@ class Renderer:
                 func = value.__func__ if isinstance(value, classmethod | staticmethod) else value
                 if func.__doc__:
                     out.append(self.function(value, name, level, scope, cls))
-            elif documented.get(key, ('', ''))[1]:
+            elif documented.get(key, ("", ""))[1]:
                 code, doc = documented[key]
-                out.append(self.data(value, name, code, doc, level, scope, f"{cls.__module__}.{cls.__qualname__}.{key}"))
+                path = f"{cls.__module__}.{cls.__qualname__}.{key}"
+                out.append(self.data(value, name, code, doc, level, scope, path))
         return out
 
     def module(self, module: Any, members: list[str], level: int) -> str:
         """A module: its docstring and members (``members``, else ``__all__``, else what it defines)."""
         parts = []
         if not members:
-            heading = _heading(level, module.__name__)
-            self._record(module, module.__name__, heading)
+            heading = self._record(module, module.__name__, level, module.__name__)
             parts += [heading, ""]
             level += 1
         parts.append(self.doc(module.__doc__, module))
@@ -441,8 +444,9 @@ def _public_names(module: Any) -> list[str]:
             if obj is not None and obj.__doc__:
                 names.append(node.name)
         for target in getattr(node, "targets", [getattr(node, "target", None)]):
-            if isinstance(target, ast.Name) and documented.get(target.id, ('', ''))[1] and not target.id.startswith("_"):
-                names.append(target.id)
+            name = target.id if isinstance(target, ast.Name) else "_"
+            if not name.startswith("_") and documented.get(name, ("", ""))[1]:
+                names.append(name)
     return names
 
 
