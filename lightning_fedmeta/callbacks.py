@@ -1,7 +1,7 @@
 """Lightning callbacks for federated runs: pictures of the personalised metric and a per-round progress bar.
 
-* :class:`PlotCallback` records the personalised metrics after every evaluation (round =
-  ``trainer.global_step``, the number of completed communication rounds) and writes the curve and
+* :class:`PlotCallback` records the personalised metrics after every evaluation (round = the number of
+  completed communication rounds: ``trainer.global_step``, or a loaded checkpoint's round under ``test``) and writes the curve and
   per-client histogram of the module's primary metric (``accuracy_vs_round.png`` and
   ``client_accuracy_hist.png`` for accuracy, ``{metric}_vs_round.png`` and
   ``client_{metric}_hist.png`` otherwise) and ``fedmeta_history.json`` into the log dir at fit end
@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_fedmeta.plots import metric_file_names, plot_client_metric_hist, plot_metric_vs_round
 
-__all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "module_metrics", "read_history"]
+__all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "evaluation_round", "module_metrics", "read_history"]
 
 HISTORY_FILE = "fedmeta_history.json"
 # 1: accuracy only ("per_client_accuracy"); 2: any metric ("primary_metric", "higher_is_better",
@@ -127,11 +127,25 @@ def _as_list(values: Any) -> list[float] | None:
     return None
 
 
+def evaluation_round(trainer: Any, pl_module: Any) -> int:
+    """The round an evaluation belongs to: the module's own count of trained rounds when it keeps one.
+
+    A :class:`~lightning_fedmeta.FederatedModule` counts ``global_step`` or, under ``test``/``validate`` of a
+    loaded checkpoint, the checkpoint's round (a test-only Trainer's ``global_step`` is 0, so a round-200
+    checkpoint would otherwise be recorded as round 0). Any other module: ``trainer.global_step``.
+    """
+    module_round = getattr(pl_module, "_round", None)
+    if callable(module_round):
+        return int(module_round())
+    return int(trainer.global_step)
+
+
 class PlotCallback(Callback):
     """Record personalised metrics each evaluation and draw the primary metric at fit/test end.
 
     After every (non-sanity) validation and test, the metrics under ``val/`` (``test/``) in
-    ``trainer.callback_metrics`` are stored with ``round = trainer.global_step``, together with the
+    ``trainer.callback_metrics`` are stored with the round of :func:`evaluation_round` (``global_step``, or
+    the loaded checkpoint's round under ``fedmeta test --ckpt_path``), together with the
     module's primary metric and its direction and the per-client values of the evaluation
     (``pl_module.last_per_client``, one list per metric key; see :func:`module_metrics` for modules
     without these attributes). At fit end and test end, rank zero writes into ``dirpath`` (default:
@@ -206,7 +220,7 @@ class PlotCallback(Callback):
         }
         if not metrics:
             return
-        r = int(trainer.global_step)
+        r = evaluation_round(trainer, pl_module)
         self.history = [h for h in self.history if not (h["round"] == r and h["stage"] == stage)]
         self.history.append({"round": r, "stage": stage, "metrics": metrics})
         primary, directions = module_metrics(pl_module)
