@@ -515,8 +515,15 @@ def group_runs(runs: Sequence[Run], grouped: bool = True) -> list[Group]:
                     f"({seed_text(run.seed)}): the same run twice would count twice in the mean; pass one of them"
                 )
             seen[run.seed] = run.name
-    groups = list(members.values())
+    groups = [sorted(g, key=lambda run: _seed_order(run.seed)) for g in members.values()]
     return [Group(label, g) for label, g in zip(_group_labels(groups, grouped), groups, strict=True)]
+
+
+def _seed_order(seed: tuple[tuple[str, Any], ...] | None) -> tuple[Any, ...]:
+    """Sort key of a seed: numbers by value, unknown seeds last."""
+    if seed is None:
+        return (1,)
+    return (0, *((0, float(v), "") if isinstance(v, int | float) else (1, 0.0, str(v)) for _, v in seed))
 
 
 def _group_labels(groups: Sequence[Sequence[Run]], grouped: bool) -> list[str]:

@@ -48,6 +48,7 @@ __all__ = [
     "metric_file_names",
     "metric_label",
     "metric_series",
+    "metric_vs_round_figure",
     "plot_accuracy_vs_round",
     "plot_client_accuracy_hist",
     "plot_client_metric_hist",
@@ -209,6 +210,19 @@ def plot_metric_vs_round(
     Returns:
         The PNG path.
     """
+    return _save(metric_vs_round_figure(history, title, metric=metric, higher_is_better=higher_is_better,
+                                        algorithm=algorithm), path)
+
+
+def metric_vs_round_figure(
+    history: Sequence[HistoryRecord],
+    title: str | None = None,
+    *,
+    metric: str = "acc",
+    higher_is_better: bool = True,
+    algorithm: str | None = None,
+) -> Figure:
+    """The figure :func:`plot_metric_vs_round` saves (its legend and limits can be read from ``figure.axes[0]``)."""
     fig = _new_figure(9.0, 4.5)
     val_prefix, test_prefix = (f"{algorithm}: ", f"{algorithm}, test: ") if algorithm else ("validation: ", "test: ")
     ax = fig.add_subplot()
@@ -231,7 +245,7 @@ def plot_metric_vs_round(
     _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better, drawn)
     if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    return _save(fig, path)
+    return fig
 
 
 def _hist_edges(values: np.ndarray, bins: int, unit_range: bool) -> np.ndarray:
