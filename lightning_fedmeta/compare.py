@@ -1,4 +1,4 @@
-"""``fedmeta compare LOGDIR [LOGDIR ...]``: several runs on one metric-vs-round plot, and a table.
+"""``fedmeta compare LOGDIR [LOGDIR ...]``: a paper figure (mean and band over seeds) and tables of runs.
 
 Each LOGDIR is a run's log folder (or a file inside it). The run's history is read from
 ``fedmeta_history.json`` (written by :class:`~lightning_fedmeta.callbacks.PlotCallback`) or, when
@@ -13,9 +13,13 @@ is ``--mode max|min`` when given, else the one stored in the history files, else
 name (``loss``, ``mse``, ``mae``, ``rmse``, ``nll``, ``error``, ... are lower-is-better). "Best" is
 the maximum of a higher-is-better metric and the minimum of a lower-is-better one.
 
-Printed (markdown): run, final weighted value, final worst-decile value, best weighted value, and
-rounds (the last evaluated round); the headings name the metric. ``compare.png`` goes to ``--out``
-(default ``.``).
+Runs whose configuration (the ``config.yaml`` or ``hparams.yaml`` next to the history) differs only in
+its seeds (:data:`SEED_KEYS`) form a group, named after its algorithm. The figure (PDF, SVG or PNG by the
+``--out`` extension; a folder gets ``compare.png``) draws each group's mean over its seeds with a band
+(``--band minmax|std|none``) and y-limits from the data. Printed (markdown; also ``--table FILE.md``): per
+group, final weighted value, final worst decile and best weighted value as mean ± sample std over its
+runs, and with ``--baseline NAME`` the paired differences of every other group against it, seed by seed.
+docs/cli.md, section ``fedmeta compare``, has an example.
 """
 
 from __future__ import annotations

@@ -476,7 +476,7 @@ def _draw_group_axes(ax: Any, title: str | None, stage: str, metric: str, higher
         return
     ax.set_ylim(*(ylim if ylim is not None else data_ylim(drawn, metric)))
     ax.legend(title=f"mean over seeds; {BANDS[band]}", fontsize="small", title_fontsize="small",
-              loc="lower right" if higher_is_better else "upper right")
+              loc="best")
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 300, title: str | None = None) -> Path:
