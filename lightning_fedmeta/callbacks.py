@@ -1,8 +1,8 @@
 """Lightning callbacks for federated runs: pictures of the personalised metric and a per-round progress bar.
 
-* :class:`PlotCallback` records the personalised metrics after every evaluation (round =
-  ``trainer.global_step``, the number of completed communication rounds) and writes the curve and
-  per-client histogram of the module's primary metric (``accuracy_vs_round.png`` and
+* :class:`PlotCallback` records the personalised metrics after every evaluation (round = the number of
+  completed communication rounds: ``trainer.global_step``, or a loaded checkpoint's round under ``test``)
+  and writes the curve and per-client histogram of the module's primary metric (``accuracy_vs_round.png`` and
   ``client_accuracy_hist.png`` for accuracy, ``{metric}_vs_round.png`` and
   ``client_{metric}_hist.png`` otherwise) and ``fedmeta_history.json`` into the log dir at fit end
   and test end (rank zero writes; every rank resolves the log dir, a collective call under DDP).
@@ -35,7 +35,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_fedmeta.plots import metric_file_names, plot_client_metric_hist, plot_metric_vs_round
 
-__all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "module_metrics", "read_history"]
+__all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "evaluation_round", "module_algorithm",
+           "module_metrics", "read_history"]
 
 HISTORY_FILE = "fedmeta_history.json"
 # 1: accuracy only ("per_client_accuracy"); 2: any metric ("primary_metric", "higher_is_better",
@@ -90,6 +91,7 @@ def _upgrade_history(data: dict[str, Any]) -> dict[str, Any]:
     data.setdefault("is_new_client", None)
     data.setdefault("client_names", None)
     data.setdefault("per_client_round", None)
+    data.setdefault("algorithm", None)
     return data
 
 
@@ -128,11 +130,36 @@ def _as_list(values: Any) -> list[float] | None:
     return None
 
 
+def evaluation_round(trainer: Any, pl_module: Any) -> int:
+    """The round an evaluation belongs to: the module's own count of trained rounds when it keeps one.
+
+    A :class:`~lightning_fedmeta.FederatedModule` counts ``global_step`` or, under ``test``/``validate`` of a
+    loaded checkpoint, the checkpoint's round (a test-only Trainer's ``global_step`` is 0, so a round-200
+    checkpoint would otherwise be recorded as round 0). Any other module: ``trainer.global_step``.
+    """
+    module_round = getattr(pl_module, "_round", None)
+    if callable(module_round):
+        return int(module_round())
+    return int(trainer.global_step)
+
+
+def module_algorithm(pl_module: Any) -> str | None:
+    """The name of the module's algorithm (``"fedavg"``; its class name when it has no registered name), or
+    ``None`` for a module without ``algorithm``: it labels the per-run figures and is stored in the history."""
+    algorithm = getattr(pl_module, "algorithm", None)
+    if algorithm is None or isinstance(algorithm, Mapping):
+        return None
+    if isinstance(algorithm, str):
+        return algorithm
+    return str(getattr(type(algorithm), "name", "") or type(algorithm).__name__)
+
+
 class PlotCallback(Callback):
     """Record personalised metrics each evaluation and draw the primary metric at fit/test end.
 
     After every (non-sanity) validation and test, the metrics under ``val/`` (``test/``) in
-    ``trainer.callback_metrics`` are stored with ``round = trainer.global_step``, together with the
+    ``trainer.callback_metrics`` are stored with the round of :func:`evaluation_round` (``global_step``, or
+    the loaded checkpoint's round under ``fedmeta test --ckpt_path``), together with the
     module's primary metric and its direction and the per-client values of the evaluation
     (``pl_module.last_per_client``, one list per metric key; see :func:`module_metrics` for modules
     without these attributes). At fit end and test end, rank zero writes into ``dirpath`` (default:
@@ -146,7 +173,8 @@ class PlotCallback(Callback):
       lower-is-better metric;
     * ``fedmeta_history.json`` (version 2): ``{"version", "history": [{"round", "stage", "metrics"}],
       "primary_metric", "higher_is_better", "metric_directions", "per_client": {metric: [K values]},
-      "is_new_client", "client_names", "per_client_round"}``, plus ``"per_client_accuracy"`` (the
+      "is_new_client", "client_names", "per_client_round", "algorithm"}`` (the algorithm's name, which also
+      starts the curve's legend entries), plus ``"per_client_accuracy"`` (the
       version-1 key) when the primary metric is ``acc``. :func:`read_history` reads both versions.
 
     The history, primary metric and direction are part of the callback's checkpoint state, so a
@@ -174,6 +202,7 @@ class PlotCallback(Callback):
         self.is_new_client: list[bool] | None = None
         self.client_names: list[str] | None = None
         self.last_round: int | None = None
+        self.algorithm: str | None = None
 
     @property
     def per_client_accuracy(self) -> list[float] | None:
@@ -207,11 +236,12 @@ class PlotCallback(Callback):
         }
         if not metrics:
             return
-        r = int(trainer.global_step)
+        r = evaluation_round(trainer, pl_module)
         self.history = [h for h in self.history if not (h["round"] == r and h["stage"] == stage)]
         self.history.append({"round": r, "stage": stage, "metrics": metrics})
         primary, directions = module_metrics(pl_module)
         self.primary_metric, self.metric_directions = primary, directions
+        self.algorithm = module_algorithm(pl_module) or self.algorithm
         self.higher_is_better = directions[primary]
         per_client = self._per_client_values(pl_module, primary, directions)
         if per_client:
@@ -264,6 +294,7 @@ class PlotCallback(Callback):
             "higher_is_better": self.higher_is_better,
             "metric_directions": dict(self.metric_directions),
             "per_client": per_client,
+            "algorithm": self.algorithm,
         }
         if self.primary_metric == "acc":  # the version-1 key, for readers that predate chosen metrics
             doc["per_client_accuracy"] = None if per_client is None else per_client.get("acc")
@@ -287,7 +318,7 @@ class PlotCallback(Callback):
         (out / HISTORY_FILE).write_text(json.dumps(doc, indent=1), encoding="utf-8")
         curve, hist = self.file_names()
         kind = {"metric": self.primary_metric, "higher_is_better": self.higher_is_better}
-        plot_metric_vs_round(doc["history"], out / curve, **kind)
+        plot_metric_vs_round(doc["history"], out / curve, algorithm=self.algorithm, **kind)
         values = self.per_client_primary
         if values:
             plot_client_metric_hist(values, out / hist, self.is_new_client, self.last_round, **kind)
@@ -299,12 +330,15 @@ class PlotCallback(Callback):
             "primary_metric": self.primary_metric,
             "higher_is_better": self.higher_is_better,
             "metric_directions": dict(self.metric_directions),
+            "algorithm": self.algorithm,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
         self.primary_metric = str(state_dict.get("primary_metric", "acc"))
         self.metric_directions = dict(state_dict.get("metric_directions", _ACCURACY_DIRECTIONS))
+        algorithm = state_dict.get("algorithm")
+        self.algorithm = algorithm if isinstance(algorithm, str) else None
         self.higher_is_better = bool(
             state_dict.get("higher_is_better", self.metric_directions.get(self.primary_metric, True))
         )

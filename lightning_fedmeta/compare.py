@@ -1,4 +1,4 @@
-"""``fedmeta compare LOGDIR [LOGDIR ...]``: several runs on one metric-vs-round plot, and a table.
+"""``fedmeta compare LOGDIR [LOGDIR ...]``: a paper figure (mean and band over seeds) and tables of runs.
 
 Each LOGDIR is a run's log folder (or a file inside it). The run's history is read from
 ``fedmeta_history.json`` (written by :class:`~lightning_fedmeta.callbacks.PlotCallback`) or, when
@@ -13,9 +13,13 @@ is ``--mode max|min`` when given, else the one stored in the history files, else
 name (``loss``, ``mse``, ``mae``, ``rmse``, ``nll``, ``error``, ... are lower-is-better). "Best" is
 the maximum of a higher-is-better metric and the minimum of a lower-is-better one.
 
-Printed (markdown): run, final weighted value, final worst-decile value, best weighted value, and
-rounds (the last evaluated round); the headings name the metric. ``compare.png`` goes to ``--out``
-(default ``.``).
+Runs whose configuration (the ``config.yaml`` or ``hparams.yaml`` next to the history) differs only in
+its seeds (:data:`SEED_KEYS`) form a group, named after its algorithm. The figure (PDF, SVG or PNG by the
+``--out`` extension; a folder gets ``compare.png``) draws each group's mean over its seeds with a band
+(``--band minmax|std|none``) and y-limits from the data. Printed (markdown; also ``--table FILE.md``): per
+group, final weighted value, final worst decile and best weighted value as mean ± sample std over its
+runs, and with ``--baseline NAME`` the paired differences of every other group against it, seed by seed.
+docs/cli.md, section ``fedmeta compare``, has an example.
 """
 
 from __future__ import annotations
@@ -26,25 +30,48 @@ import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_fedmeta.callbacks import HISTORY_FILE, read_history
-from lightning_fedmeta.plots import metric_label, metric_series, plot_compare
+from lightning_fedmeta.plots import BANDS, FIGURE_FORMATS, metric_label, metric_series, plot_groups, save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
+    "CONFIG_FILES",
+    "SEED_KEYS",
     "CompareError",
+    "Comparison",
+    "Group",
+    "GroupSummary",
+    "Run",
     "RunInfo",
     "RunSummary",
+    "algorithm_name",
     "available_metrics",
     "compare_main",
     "default_higher_is_better",
+    "difference_table",
     "find_history_file",
+    "group_runs",
+    "group_table",
     "load_run",
     "load_run_info",
+    "load_runs",
     "markdown_table",
+    "mean_std",
+    "name_groups",
+    "output_paths",
+    "paired_differences",
+    "read_run_config",
     "resolve_direction",
     "resolve_metric",
+    "run_seed",
+    "seed_text",
+    "summarize_group",
     "summarize_run",
 ]
 
@@ -190,13 +217,15 @@ def load_run_info(logdir: str | Path) -> RunInfo:
     """
     source = find_history_file(logdir)
     if source.suffix == ".csv":
-        return {"history": _read_csv(source), "primary_metric": None, "metric_directions": {}, "source": source}
+        return {"history": _read_csv(source), "primary_metric": None, "metric_directions": {}, "source": source,
+                "algorithm": None}
     doc = _read_json_history(source)
     return {
         "history": list(doc["history"]),
         "primary_metric": doc["primary_metric"],
         "metric_directions": dict(doc["metric_directions"]),
         "source": source,
+        "algorithm": doc.get("algorithm") if isinstance(doc.get("algorithm"), str) else None,
     }
 
 
@@ -324,23 +353,6 @@ def markdown_table(summaries: dict[str, RunSummary], metric: str = "acc", higher
     return "\n".join(lines)
 
 
-def _run_names(logdirs: Sequence[str], labels: Sequence[str] | None) -> list[str]:
-    if labels:
-        if len(labels) != len(logdirs):
-            raise CompareError(f"--labels has {len(labels)} names for {len(logdirs)} runs; give one per run")
-        return list(labels)
-    names: list[str] = []
-    for d in logdirs:
-        p = Path(d).resolve()
-        if p.is_file():
-            p = p.parent
-        name = p.name if not p.name.startswith("version_") else f"{p.parent.name}/{p.name}"
-        while name in names:
-            name = f"{name}'"
-        names.append(name)
-    return names
-
-
 def _check_metric_logged(infos: Mapping[str, RunInfo], metric: str, stage: str) -> None:
     """Refuse a metric that no run logs while the runs do log others (a typo, or the wrong default)."""
     per_run = {name: available_metrics(info["history"], stage) for name, info in infos.items()}
@@ -354,14 +366,358 @@ def _check_metric_logged(infos: Mapping[str, RunInfo], metric: str, stage: str) 
         )
 
 
+
+# ------------------------------------------------------------------------------------------------
+# a run's configuration: its algorithm, its seeds, and the settings that make its group
+# ------------------------------------------------------------------------------------------------
+#: the settings that only choose randomness: runs differing only in these are seeds of one configuration
+#: (``fedmeta fit``'s config.yaml: the first three; a Python run's hparams.yaml: the last two)
+SEED_KEYS = ("seed_everything", "data.data_seed", "model.seed", "data_seed", "seed")
+
+#: settings that say where or how a run wrote, not what it computed: not part of a configuration
+_BOOKKEEPING_KEYS = frozenset({
+    "trainer.default_root_dir", "trainer.logger", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+    "trainer.enable_checkpointing", "ckpt_path", "weights_only", "plots", "_instantiator", "model.client_state_dir",
+    "client_state_dir", "data.root", "root", "data.download", "download",
+})
+_BOOKKEEPING_LEAVES = frozenset({"dirpath", "save_dir", "filename"})
+
+#: the files next to a run's history that record its configuration, most complete first
+CONFIG_FILES = ("config.yaml", "hparams.yaml")
+
+
+def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"seed": 0}}`` -> ``{"model.seed": 0}``; lists and other values are kept as leaves."""
+    if not isinstance(doc, Mapping) or not doc:
+        return {prefix: doc} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def read_run_config(source: Path) -> dict[str, Any] | None:
+    """The flattened configuration of the run whose history is ``source``: the ``config.yaml`` that
+    ``fedmeta fit`` saves next to it, else the logger's ``hparams.yaml``; ``None`` when neither is there or
+    readable (such a run forms a group of its own)."""
+    import yaml
+
+    for name in CONFIG_FILES:
+        path = source.parent / name
+        if not path.is_file():
+            continue
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        if isinstance(doc, Mapping):
+            return _flatten(doc)
+    return None
+
+
+def algorithm_name(config: Mapping[str, Any] | None) -> str | None:
+    """The algorithm a configuration ran: ``model.algorithm`` (a name, ``{name: ...}`` or a ``class_path``,
+    whose class name is used), or the same under ``algorithm`` in an ``hparams.yaml``."""
+    if not config:
+        return None
+    for prefix in ("model.algorithm", "algorithm"):
+        for key in (prefix, f"{prefix}.name", f"{prefix}.class_path"):
+            value = config.get(key)
+            if isinstance(value, str) and value:
+                return value.rsplit(".", 1)[-1] if key.endswith("class_path") else value
+    return None
+
+
+def _is_setting(key: str) -> bool:
+    return key not in _BOOKKEEPING_KEYS and key not in SEED_KEYS and key.rsplit(".", 1)[-1] not in _BOOKKEEPING_LEAVES
+
+
+def run_seed(config: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    """The seed settings of a configuration (``(("seed_everything", 0), ("data.data_seed", 0), ...)``), or
+    ``None`` when it records none."""
+    if not config:
+        return None
+    found = tuple((k, config[k]) for k in SEED_KEYS if config.get(k) is not None)
+    return found or None
+
+
+def seed_text(seed: tuple[tuple[str, Any], ...] | None) -> str:
+    """A seed for the table: ``"1"`` when every seed setting is 1, else ``"seed_everything=0 model.seed=1"``;
+    ``"?"`` when unknown."""
+    if seed is None:
+        return "?"
+    values = {str(v) for _, v in seed}
+    return values.pop() if len(values) == 1 else " ".join(f"{k}={v}" for k, v in seed)
+
+
+@dataclass
+class Run:
+    """One run to compare: its name (from its folder), history, algorithm, seeds and settings.
+
+    ``settings`` is its configuration without the seed and bookkeeping keys, values as JSON text (``None``
+    when no configuration file was found: the run is a group of its own).
+    """
+
+    name: str
+    info: RunInfo
+    algorithm: str | None
+    seed: tuple[tuple[str, Any], ...] | None
+    settings: dict[str, str] | None
+
+
+@dataclass
+class Group:
+    """Runs of one configuration (they differ only in their seeds), under one legend label."""
+
+    label: str
+    runs: list[Run] = field(default_factory=list)
+
+
+def _run_names(logdirs: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    for d in logdirs:
+        p = Path(d).resolve()
+        if p.is_file():
+            p = p.parent
+        name = p.name if not p.name.startswith("version_") else f"{p.parent.name}/{p.name}"
+        while name in names:
+            name = f"{name}'"
+        names.append(name)
+    return names
+
+
+def load_runs(logdirs: Sequence[str]) -> list[Run]:
+    """Each LOGDIR's history (:func:`load_run_info`) with its configuration (:func:`read_run_config`)."""
+    runs = []
+    for name, logdir in zip(_run_names(logdirs), logdirs, strict=True):
+        info = load_run_info(logdir)
+        config = read_run_config(Path(info["source"]))
+        settings = None if config is None else {
+            k: json.dumps(v, sort_keys=True, default=str) for k, v in config.items() if _is_setting(k)
+        }
+        runs.append(Run(name, info, algorithm_name(config) or info.get("algorithm"), run_seed(config), settings))
+    return runs
+
+
+def group_runs(runs: Sequence[Run], grouped: bool = True) -> list[Group]:
+    """Runs with the same settings (differing only in seeds) as one group each, in order of first appearance;
+    ``grouped=False``: one group per run. Labels: :func:`_group_labels`.
+
+    Raises:
+        CompareError: two runs of one group have the same seeds (the same run twice).
+    """
+    members: dict[str, list[Run]] = {}
+    for run in runs:
+        key = json.dumps(run.settings, sort_keys=True) if grouped and run.settings is not None else f"run:{run.name}"
+        members.setdefault(key, []).append(run)
+    for group in members.values():
+        seen: dict[Any, str] = {}
+        for run in group:
+            if run.seed in seen:
+                raise CompareError(
+                    f"runs {seen[run.seed]!r} and {run.name!r} have the same configuration and the same seed "
+                    f"({seed_text(run.seed)}): the same run twice would count twice in the mean; pass one of them"
+                )
+            seen[run.seed] = run.name
+    groups = [sorted(g, key=lambda run: _seed_order(run.seed)) for g in members.values()]
+    return [Group(label, g) for label, g in zip(_group_labels(groups, grouped), groups, strict=True)]
+
+
+def _seed_order(seed: tuple[tuple[str, Any], ...] | None) -> tuple[Any, ...]:
+    """Sort key of a seed: numbers by value, unknown seeds last."""
+    if seed is None:
+        return (1,)
+    return (0, *((0, float(v), "") if isinstance(v, int | float) else (1, 0.0, str(v)) for _, v in seed))
+
+
+def _group_labels(groups: Sequence[Sequence[Run]], grouped: bool) -> list[str]:
+    """Each group's algorithm (a run without configuration, or ``grouped=False``: the run's folder name); where
+    two groups share an algorithm, the settings in which they differ follow it: ``fedavg (local_lr=0.1)``."""
+    bases = [g[0].algorithm if grouped and g[0].settings is not None and g[0].algorithm else g[0].name for g in groups]
+    labels = list(bases)
+    for base in {b for b in bases if bases.count(b) > 1}:
+        same = [i for i, b in enumerate(bases) if b == base and groups[i][0].settings is not None]
+        keys = sorted({k for i in same for k in groups[i][0].settings or {}})
+        differ = [k for k in keys if len({(groups[i][0].settings or {}).get(k) for i in same}) > 1]
+        for i in same:
+            shown = ", ".join(f"{k.rsplit('.', 1)[-1]}={(groups[i][0].settings or {}).get(k, 'unset')}"
+                              for k in differ[:3])
+            labels[i] = f"{base} ({shown}{', ...' if len(differ) > 3 else ''})" if shown else base
+    for i, label in enumerate(labels):
+        while label in labels[:i]:
+            label = f"{label}'"
+        labels[i] = label
+    return labels
+
+
+def name_groups(groups: Sequence[Group], labels: Sequence[str] | None) -> None:
+    """Rename the groups to ``labels`` (``--labels``), in order.
+
+    Raises:
+        CompareError: not one label per group, or a label given twice.
+    """
+    if not labels:
+        return
+    if len(labels) != len(groups):
+        found = "; ".join(f"{g.label}: {', '.join(r.name for r in g.runs)}" for g in groups)
+        raise CompareError(
+            f"--labels has {len(labels)} names for {len(groups)} groups ({found}); runs that differ only in their "
+            "seeds form one group: give one name per group, in this order (or --no-group for one per run)"
+        )
+    if len(set(labels)) != len(labels):
+        raise CompareError(f"--labels names a group twice ({', '.join(labels)}); give each group its own name")
+    for group, label in zip(groups, labels, strict=True):
+        group.label = label
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics over seeds and the paired differences
+# ------------------------------------------------------------------------------------------------
+GroupSummary = dict[str, Any]
+
+
+def _stat_keys(metric: str) -> tuple[str, str, str]:
+    return f"final_{metric}_weighted", f"final_{metric}_worst10", f"best_{metric}_weighted"
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (n − 1; ``nan`` for fewer than two) and count of the finite ``values``."""
+    finite = [float(v) for v in values if math.isfinite(float(v))]
+    if not finite:
+        return math.nan, math.nan, 0
+    mean = math.fsum(finite) / len(finite)
+    if len(finite) < 2:
+        return mean, math.nan, len(finite)
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in finite) / (len(finite) - 1)), len(finite)
+
+
+def summarize_group(
+    group: Group, stage: str = "val", metric: str = "acc", higher_is_better: bool = True
+) -> GroupSummary:
+    """Each of :func:`summarize_run`'s values as mean and sample std over the group's runs.
+
+    Returns:
+        ``{"n", "seeds": [text], "runs": [name], "rounds": [last round per run], "per_run": [RunSummary],
+        key: mean, f"{key}_std": std}`` for the keys ``final_{metric}_weighted``, ``final_{metric}_worst10``
+        and ``best_{metric}_weighted``.
+    """
+    per_run = [summarize_run(r.info["history"], stage, metric, higher_is_better) for r in group.runs]
+    out: GroupSummary = {"n": len(per_run), "seeds": [seed_text(r.seed) for r in group.runs],
+                         "runs": [r.name for r in group.runs], "rounds": [s["rounds"] for s in per_run],
+                         "per_run": per_run}
+    for key in _stat_keys(metric):
+        out[key], out[f"{key}_std"], _ = mean_std([s[key] for s in per_run])
+    return out
+
+
+def paired_differences(groups: Sequence[Group], summaries: Mapping[str, GroupSummary], baseline: str,
+                       metric: str = "acc") -> dict[str, GroupSummary]:
+    """Each group minus the ``baseline`` group, seed by seed (same seeds paired), as mean and sample std.
+
+    Returns:
+        label -> ``{"seeds": [text of the paired seeds], key: mean difference, f"{key}_std": std}`` for every
+        group but the baseline (``nan`` and no seeds where the two share none).
+
+    Raises:
+        CompareError: no group is called ``baseline``, or a run of it records no seed.
+    """
+    by_label = {g.label: g for g in groups}
+    if baseline not in by_label:
+        raise CompareError(f"--baseline {baseline!r} is not a group; the groups are {', '.join(by_label)} "
+                           "(algorithm names, or the names given with --labels)")
+    base = _runs_by_seed(by_label[baseline], summaries[baseline], for_baseline=True)
+    out: dict[str, GroupSummary] = {}
+    for group in groups:
+        if group.label == baseline:
+            continue
+        other = _runs_by_seed(group, summaries[group.label], for_baseline=False)
+        common = [s for s in base if s in other]
+        row: GroupSummary = {"seeds": [seed_text(s) for s in common]}
+        for key in _stat_keys(metric):
+            row[key], row[f"{key}_std"], _ = mean_std([other[s][key] - base[s][key] for s in common])
+        out[group.label] = row
+    return out
+
+
+def _runs_by_seed(group: Group, summary: GroupSummary, for_baseline: bool) -> dict[Any, RunSummary]:
+    """seed -> the run's summary; runs without a recorded seed are left out (the baseline's are refused)."""
+    found: dict[Any, RunSummary] = {}
+    for run, run_summary in zip(group.runs, summary["per_run"], strict=True):
+        if run.seed is None and for_baseline:
+            raise CompareError(
+                f"--baseline {group.label!r}: run {run.name!r} records no seed (no config.yaml or hparams.yaml "
+                "next to its history), so no run can be paired with it; compare runs written by `fedmeta fit`, "
+                "or leave out --baseline"
+            )
+        if run.seed is not None:
+            found[run.seed] = run_summary
+    return dict(sorted(found.items(), key=lambda item: seed_text(item[0])))
+
+
+# ------------------------------------------------------------------------------------------------
+# the tables
+# ------------------------------------------------------------------------------------------------
+def _cell(mean: float, std: float, signed: bool = False) -> str:
+    """``0.8424 ± 0.0100`` (``+0.0312 ± ...`` when ``signed``); the mean alone without a std; ``n/a`` without one."""
+    if math.isnan(mean):
+        return "n/a"
+    text = f"{mean:+.4f}" if signed else f"{mean:.4f}"
+    return text if math.isnan(std) else f"{text} ± {std:.4f}"
+
+
+def _rounds_text(rounds: Sequence[int]) -> str:
+    lo, hi = min(rounds, default=0), max(rounds, default=0)
+    return str(hi) if lo == hi else f"{lo}–{hi}"
+
+
+def group_table(groups: Sequence[Group], summaries: Mapping[str, GroupSummary], metric: str = "acc",
+                higher_is_better: bool = True) -> str:
+    """The markdown table of groups: runs, seeds, and each value as mean ± sample std over the runs."""
+    best = f"best weighted {metric}" + ("" if higher_is_better else " (min)")
+    lines = [f"| group | runs | seeds | final weighted {metric} | final worst decile | {best} | rounds |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for g in groups:
+        s = summaries[g.label]
+        cells = " | ".join(_cell(s[k], s[f"{k}_std"]) for k in _stat_keys(metric))
+        lines.append(f"| {g.label} | {s['n']} | {', '.join(s['seeds'])} | {cells} | {_rounds_text(s['rounds'])} |")
+    lines.append("\nValues: mean ± sample standard deviation (n − 1) over the runs of a group (one run: its value).")
+    return "\n".join(lines)
+
+
+def difference_table(differences: Mapping[str, GroupSummary], baseline: str, metric: str = "acc",
+                     higher_is_better: bool = True) -> str:
+    """The markdown table of :func:`paired_differences` against ``baseline``."""
+    best = f"Δ best weighted {metric}" + ("" if higher_is_better else " (min)")
+    lines = [f"Paired differences against {baseline} (group − {baseline}, seed by seed over the seeds both ran; "
+             "mean ± sample std):\n",
+             f"| group | paired seeds | Δ final weighted {metric} | Δ final worst decile | {best} |",
+             "|---|---|---:|---:|---:|"]
+    for label, d in differences.items():
+        cells = " | ".join(_cell(d[k], d[f"{k}_std"], signed=True) for k in _stat_keys(metric))
+        lines.append(f"| {label} | {', '.join(d['seeds']) or 'none in common'} | {cells} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+# ------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fedmeta compare",
-        description="Plot several runs' personalised metric against the round and print a markdown table.",
+        description="Compare runs for a paper: runs that differ only in their seeds form a group; one figure "
+        "(mean over seeds with a band) and markdown tables (mean ± std, paired differences against a baseline).",
     )
     p.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="a run's log folder (or its fedmeta_history.json)")
-    p.add_argument("--out", default=".", help="folder for compare.png (default: current folder)")
-    p.add_argument("--labels", nargs="+", default=None, help="names of the runs, in the LOGDIR order")
+    p.add_argument("--out", nargs="+", default=["."], metavar="PATH",
+                   help="figure files by extension (.pdf, .svg, .png), or a folder for compare.png (default: .)")
+    p.add_argument("--table", default=None, metavar="FILE.md", help="also write the tables to this markdown file")
+    p.add_argument("--labels", nargs="+", default=None, help="names of the groups, in the order of first appearance")
+    p.add_argument("--baseline", default=None, metavar="NAME",
+                   help="a group (its label) to subtract from each other group, seed by seed")
+    p.add_argument("--band", choices=tuple(BANDS), default="minmax",
+                   help="the shaded band around each group's mean: min–max over seeds (default), ±1 sample std, none")
+    p.add_argument("--no-group", dest="grouped", action="store_false", help="one curve and row per run")
+    p.add_argument("--worst10", action="store_true", help="also draw each group's worst-decile curve (dashed)")
     p.add_argument("--stage", choices=("val", "test"), default="val", help="which evaluations to compare")
     p.add_argument(
         "--metric", default=None, metavar="NAME",
@@ -373,30 +729,95 @@ def _parser() -> argparse.ArgumentParser:
         help="whether the best value is the maximum or the minimum; default: the direction stored in the "
         "runs' history, else guessed from the name (losses and errors: min)",
     )
-    p.add_argument("--title", default=None, help="title of the plot (default: 'Personalised <metric> vs. round')")
+    p.add_argument("--title", default=None, help="title over the plot (default: none; a paper's caption says it)")
+    p.add_argument("--ylim", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"),
+                   help="y-axis limits (default: the data drawn plus a margin)")
+    p.add_argument("--size", nargs=2, type=float, default=(6.4, 4.0), metavar=("WIDTH", "HEIGHT"),
+                   help="figure size in inches (default: 6.4 4.0)")
+    p.add_argument("--dpi", type=int, default=300, help="resolution of a PNG (default: 300)")
     return p
 
 
-def compare_main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> dict[str, RunSummary]:
-    """Entry of ``fedmeta compare``: writes ``<out>/compare.png``, prints the table, returns the summaries.
+def output_paths(outs: Sequence[str]) -> list[Path]:
+    """The figure files of ``--out``: a path ending in ``.pdf``/``.svg``/``.png`` is that file; a folder (or a path
+    without an extension) gets ``compare.png``.
+
+    Raises:
+        CompareError: another extension.
+    """
+    paths = []
+    for out in outs:
+        p = Path(out)
+        if p.suffix.lower().lstrip(".") in FIGURE_FORMATS:
+            paths.append(p)
+        elif p.is_dir() or not p.suffix:
+            paths.append(p / "compare.png")
+        else:
+            raise CompareError(f"--out {out}: cannot write a {p.suffix} figure; give a .pdf, .svg or .png file, "
+                               "or a folder for compare.png")
+    return paths
+
+
+@dataclass
+class Comparison:
+    """What ``fedmeta compare`` computed and wrote (:func:`compare_main` returns it).
+
+    Attributes:
+        metric, higher_is_better, stage: what was compared.
+        groups: the groups of runs, in order, with their labels (the figure's legend).
+        summaries: label -> :func:`summarize_group`.
+        differences: label -> :func:`paired_differences` against ``baseline`` (``None`` without one).
+        baseline: the ``--baseline`` group, if any.
+        table: the markdown printed (and written to ``--table``).
+        figure: the matplotlib figure (legend, limits: ``figure.axes[0]``).
+        written: the figure files written.
+    """
+
+    metric: str
+    higher_is_better: bool
+    stage: str
+    groups: list[Group]
+    summaries: dict[str, GroupSummary]
+    differences: dict[str, GroupSummary] | None
+    baseline: str | None
+    table: str
+    figure: Figure
+    written: list[Path]
+
+
+def compare_main(argv: Sequence[str] | None = None, stream: TextIO | None = None) -> Comparison:
+    """Entry of ``fedmeta compare``: groups the runs, writes the figure(s), prints the tables.
 
     Raises:
         FileNotFoundError: a LOGDIR holds no run.
-        CompareError: mismatched ``--labels``, runs with different primary metrics and no ``--metric``,
-            or a metric that no run logs.
+        CompareError: mismatched ``--labels``, an unknown ``--baseline``, a figure extension other than
+            ``.pdf``/``.svg``/``.png``, runs with different primary metrics and no ``--metric``, a metric that
+            no run logs, or the same configuration and seed twice.
     """
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    out = stream or sys.stdout
-    names = _run_names(args.logdirs, args.labels)
-    infos = {name: load_run_info(d) for name, d in zip(names, args.logdirs, strict=True)}
+    paths = output_paths(args.out)
+    runs = load_runs(args.logdirs)
+    infos = {run.name: run.info for run in runs}
     metric = resolve_metric(infos, args.metric, args.stage)
     _check_metric_logged(infos, metric, args.stage)
     higher = resolve_direction(infos, metric, args.mode)
-    runs = {name: info["history"] for name, info in infos.items()}
-    summaries = {name: summarize_run(h, args.stage, metric, higher) for name, h in runs.items()}
+    groups = group_runs(runs, args.grouped)
+    name_groups(groups, args.labels)
+    summaries = {g.label: summarize_group(g, args.stage, metric, higher) for g in groups}
+    table = group_table(groups, summaries, metric, higher)
+    differences = None
+    if args.baseline is not None:
+        differences = paired_differences(groups, summaries, args.baseline, metric)
+        table += "\n\n" + difference_table(differences, args.baseline, metric, higher)
+    figure = plot_groups({g.label: [r.info["history"] for r in g.runs] for g in groups}, stage=args.stage,
+                         metric=metric, higher_is_better=higher, band=args.band, worst10=args.worst10,
+                         title=args.title, ylim=tuple(args.ylim) if args.ylim else None, size=tuple(args.size))
     title = args.title or f"Personalised {metric_label(metric)} vs. round"
-    png = plot_compare(runs, Path(args.out) / "compare.png", stage=args.stage, title=title,
-                       metric=metric, higher_is_better=higher)
-    print(markdown_table(summaries, metric, higher), file=out)
-    print(f"\nplot: {png}", file=out)
-    return summaries
+    written = [save_figure(figure, p, dpi=args.dpi, title=title) for p in paths]
+    if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table).write_text(table + "\n", encoding="utf-8")
+    out = stream or sys.stdout
+    print(table, file=out)
+    print("\n" + "\n".join(f"figure: {p}" for p in written), file=out)
+    return Comparison(metric, higher, args.stage, groups, summaries, differences, args.baseline, table, figure, written)

@@ -17,8 +17,13 @@ metric names are the ones :class:`~lightning_fedmeta.FederatedModule` logs for e
 * ``{stage}/new/...``      = the same over held-out (never trained) clients.
 
 Each drawing function takes the metric key (``metric``, default ``"acc"``) and its direction
-(``higher_is_better``, default ``True``). Accuracy (``acc`` or ``accuracy``) keeps the fixed
-0..1 axis; any other metric is autoscaled.
+(``higher_is_better``, default ``True``). The y-axis of a curve spans the values drawn plus a margin
+(:func:`data_ylim`; an accuracy never beyond 0..1), so 0.83 against 0.88 is visible; the per-client
+histogram of an accuracy keeps its 0..1 x-axis.
+
+:func:`plot_groups` draws the paper figure of ``fedmeta compare``: per group of runs (one configuration,
+several seeds) the mean curve and a band over the seeds; :func:`save_figure` writes it as PDF, SVG or
+PNG by the file's extension.
 """
 
 from __future__ import annotations
@@ -35,15 +40,22 @@ if TYPE_CHECKING:  # matplotlib is imported on the first drawing, not with the c
     from matplotlib.figure import Figure
 
 __all__ = [
+    "BANDS",
+    "FIGURE_FORMATS",
     "HistoryRecord",
+    "data_ylim",
+    "group_curve",
     "metric_file_names",
     "metric_label",
     "metric_series",
+    "metric_vs_round_figure",
     "plot_accuracy_vs_round",
     "plot_client_accuracy_hist",
     "plot_client_metric_hist",
     "plot_compare",
+    "plot_groups",
     "plot_metric_vs_round",
+    "save_figure",
     "worst_decile_mean",
 ]
 
@@ -140,13 +152,31 @@ def _fixed_unit_range(metric: str, values: Sequence[float] | np.ndarray) -> bool
     return metric in _ACCURACY_KEYS and bool(np.all((arr >= 0.0) & (arr <= 1.0)))
 
 
-def _style_metric_axes(ax: Any, title: str, metric: str, higher_is_better: bool, unit_range: bool) -> None:
+def data_ylim(values: Sequence[float] | np.ndarray, metric: str = "acc", margin: float = 0.08) -> tuple[float, float]:
+    """Y-limits that show the spread of ``values``: their range widened by ``margin`` of it on each side.
+
+    A range of zero width is widened by 5% of the value (0.05 around zero). An accuracy whose values lie in
+    0..1 is kept within 0..1. Non-finite values are left out; none left gives ``(0, 1)``.
+    """
+    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    arr = arr[np.isfinite(arr)]
+    if arr.size == 0:
+        return 0.0, 1.0
+    lo, hi = float(arr.min()), float(arr.max())
+    pad = margin * (hi - lo) if hi > lo else 0.05 * max(abs(lo), 1.0 if lo == 0.0 else 0.0)
+    low, high = lo - pad, hi + pad
+    if _fixed_unit_range(metric, arr):
+        low, high = max(low, 0.0), min(high, 1.0)
+    return low, high
+
+
+def _style_metric_axes(ax: Any, title: str, metric: str, higher_is_better: bool, drawn: Sequence[float]) -> None:
     ax.set_title(title)
     ax.set_xlabel("communication round")
     direction = "" if higher_is_better else " (lower is better)"
     ax.set_ylabel(f"personalised test {metric_label(metric)}{direction}")
-    if unit_range:
-        ax.set_ylim(-0.02, 1.02)
+    if len(drawn):
+        ax.set_ylim(*data_ylim(drawn, metric))
     ax.grid(True, alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
 
@@ -158,13 +188,14 @@ def plot_metric_vs_round(
     *,
     metric: str = "acc",
     higher_is_better: bool = True,
+    algorithm: str | None = None,
 ) -> Path:
     """A personalised metric of the clients' models after each evaluation.
 
     Draws the validation curves of ``{stage}/{metric}_weighted`` and ``_worst10`` (plus the
     new-client curves when held-out clients exist) and the test evaluations as separate markers.
-    Accuracy is drawn on a 0..1 axis, other metrics are autoscaled; the y label names the metric
-    and says "lower is better" when ``higher_is_better`` is false.
+    The y-axis spans the values drawn (:func:`data_ylim`); the y label names the metric and says
+    "lower is better" when ``higher_is_better`` is false; the legend names the algorithm.
 
     Args:
         history: the evaluation records (see the module docstring).
@@ -173,11 +204,27 @@ def plot_metric_vs_round(
         metric: the metric key, e.g. ``"acc"``, ``"f1"``, ``"mse"``.
         higher_is_better: the metric's direction (only the label depends on it: the logged worst
             decile already follows the direction).
+        algorithm: the algorithm's name, which starts every legend entry (``"fedavg: weighted mean"``,
+            ``"fedavg, test: weighted mean"``); ``None``: ``"validation: ..."`` and ``"test: ..."``.
 
     Returns:
         The PNG path.
     """
+    return _save(metric_vs_round_figure(history, title, metric=metric, higher_is_better=higher_is_better,
+                                        algorithm=algorithm), path)
+
+
+def metric_vs_round_figure(
+    history: Sequence[HistoryRecord],
+    title: str | None = None,
+    *,
+    metric: str = "acc",
+    higher_is_better: bool = True,
+    algorithm: str | None = None,
+) -> Figure:
+    """The figure :func:`plot_metric_vs_round` saves (its legend and limits can be read from ``figure.axes[0]``)."""
     fig = _new_figure(9.0, 4.5)
+    val_prefix, test_prefix = (f"{algorithm}: ", f"{algorithm}, test: ") if algorithm else ("validation: ", "test: ")
     ax = fig.add_subplot()
     drawn: list[float] = []
     for stage, marker in (("val", "o"), ("test", "*")):
@@ -188,18 +235,17 @@ def plot_metric_vs_round(
             color = "tab:blue" if not suffix.startswith("new/") else "tab:orange"
             if stage == "test":
                 ax.plot(rounds, values, linestyle="none", marker=marker, markersize=11, color=color,
-                        markeredgecolor="black", label=f"test: {label}")
+                        markeredgecolor="black", label=f"{test_prefix}{label}")
             else:
                 ax.plot(rounds, values, linestyle=style, marker=marker, markersize=4, color=color,
-                        label=f"validation: {label}")
+                        label=f"{val_prefix}{label}")
             drawn.extend(values)
     if not drawn:
         ax.text(0.5, 0.5, "no evaluation recorded yet", ha="center", va="center", transform=ax.transAxes)
-    _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better,
-                       _fixed_unit_range(metric, drawn))
+    _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better, drawn)
     if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    return _save(fig, path)
+    return fig
 
 
 def _hist_edges(values: np.ndarray, bins: int, unit_range: bool) -> np.ndarray:
@@ -322,8 +368,140 @@ def plot_compare(
     if not drawn:
         ax.text(0.5, 0.5, f"no '{stage}/' {metric_label(metric)} in these runs", ha="center", va="center",
                 transform=ax.transAxes)
-    _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better,
-                       _fixed_unit_range(metric, drawn))
+    _style_metric_axes(ax, title or _default_title(metric), metric, higher_is_better, drawn)
     if drawn:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return _save(fig, path)
+
+
+#: the figure formats of :func:`save_figure`, by file extension
+FIGURE_FORMATS = ("pdf", "svg", "png")
+
+#: the band choices of :func:`plot_groups`: what the shaded area around a group's mean shows
+BANDS = {"minmax": "band: min–max over seeds", "std": "band: ±1 sample std over seeds", "none": "no band"}
+
+
+def group_curve(
+    histories: Sequence[Sequence[HistoryRecord]], name: str
+) -> tuple[list[int], np.ndarray]:
+    """The rounds every run of a group evaluated ``name`` at, and the ``[runs, rounds]`` values there.
+
+    Rounds that only some runs reached (a run stopped early) are left out, so the mean and the band
+    are always over the same runs.
+    """
+    series = [dict(zip(*metric_series(h, name), strict=True)) for h in histories]
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    return common, np.array([[s[r] for r in common] for s in series], dtype=np.float64).reshape(len(series), -1)
+
+
+def _band(values: np.ndarray, band: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The lower and upper edge of a group's band over its runs (rows), or ``None`` (one run, or no band)."""
+    if band == "none" or values.shape[0] < 2:
+        return None
+    if band == "minmax":
+        return values.min(axis=0), values.max(axis=0)
+    mean, std = values.mean(axis=0), values.std(axis=0, ddof=1)
+    return mean - std, mean + std
+
+
+def plot_groups(
+    groups: Mapping[str, Sequence[Sequence[HistoryRecord]]],
+    *,
+    stage: str = "val",
+    metric: str = "acc",
+    higher_is_better: bool = True,
+    band: str = "minmax",
+    worst10: bool = False,
+    title: str | None = None,
+    ylim: tuple[float, float] | None = None,
+    size: tuple[float, float] = (6.4, 4.0),
+) -> Figure:
+    """The paper figure of ``fedmeta compare``: per group, the mean over its runs and a band over them.
+
+    Args:
+        groups: legend label (e.g. the algorithm) -> the histories of the group's runs (one per seed).
+        stage: ``"val"`` or ``"test"``.
+        metric: the metric key; the curve is ``{stage}/{metric}_weighted``.
+        higher_is_better: the metric's direction (shown in the y label).
+        band: ``"minmax"`` (the runs' minimum to maximum), ``"std"`` (mean ± one sample standard deviation)
+            or ``"none"``; the legend's title states it. A group of one run has no band.
+        worst10: also draw the worst-decile curve (``_worst10``, dashed) of each group.
+        title: the axes title; ``None`` for none (a paper's caption says it).
+        ylim: the y-limits; ``None``: the values and bands drawn plus a margin (:func:`data_ylim`).
+        size: the figure's width and height in inches.
+
+    Returns:
+        The figure (not yet saved: :func:`save_figure`).
+
+    Raises:
+        ValueError: an unknown ``band``.
+    """
+    if band not in BANDS:
+        raise ValueError(f"band must be one of {', '.join(BANDS)}, got {band!r}")
+    fig = _new_figure(*size)
+    ax = fig.add_subplot()
+    curves = _CURVES[:2] if worst10 else _CURVES[:1]
+    drawn: list[float] = []
+    for i, (label, histories) in enumerate(groups.items()):
+        for suffix, what, style in curves:
+            rounds, values = group_curve(histories, f"{stage}/{_curve_name(metric, suffix)}")
+            if not rounds:
+                continue
+            n = values.shape[0]
+            name = label + (f" ({n} seeds)" if n > 1 else "") + ("" if suffix == "_weighted" else f", {what}")
+            ax.plot(rounds, values.mean(axis=0), linestyle=style, color=f"C{i % 10}", label=name)
+            drawn.extend(values.mean(axis=0))
+            edges = _band(values, band)
+            if edges is not None:
+                ax.fill_between(rounds, *edges, color=f"C{i % 10}", alpha=0.2, linewidth=0)
+                drawn.extend(np.concatenate(edges))
+    _draw_group_axes(ax, title, stage, metric, higher_is_better, drawn, ylim, band)
+    return fig
+
+
+def _draw_group_axes(ax: Any, title: str | None, stage: str, metric: str, higher_is_better: bool,
+                     drawn: Sequence[float], ylim: tuple[float, float] | None, band: str) -> None:
+    """Labels, limits and the legend (titled with what the lines and bands show) of :func:`plot_groups`."""
+    if title:
+        ax.set_title(title)
+    ax.set_xlabel("communication round")
+    direction = "" if higher_is_better else " (lower is better)"
+    which = "validation" if stage == "val" else "test"
+    ax.set_ylabel(f"personalised {which} {metric_label(metric)}{direction}")
+    ax.grid(True, alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    if not drawn:
+        ax.text(0.5, 0.5, f"no '{stage}/' {metric_label(metric)} in these runs", ha="center", va="center",
+                transform=ax.transAxes)
+        return
+    ax.set_ylim(*(ylim if ylim is not None else data_ylim(drawn, metric)))
+    ax.legend(title=f"mean over seeds; {BANDS[band]}", fontsize="small", title_fontsize="small",
+              loc="best")
+
+
+def save_figure(fig: Figure, path: str | Path, dpi: int = 300, title: str | None = None) -> Path:
+    """Write ``fig`` as PDF, SVG or PNG, by ``path``'s extension; ``dpi`` applies to PNG.
+
+    The file carries its title and the program that wrote it in its metadata, and no date, so the same
+    runs give the same PDF and SVG bytes.
+
+    Raises:
+        ValueError: an extension other than ``.pdf``, ``.svg`` and ``.png``.
+    """
+    out = Path(path)
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in FIGURE_FORMATS:
+        raise ValueError(f"cannot write a figure to {str(out)!r}: the extension must be .pdf, .svg or .png")
+    import matplotlib
+
+    creator = "lightning_fedmeta (fedmeta compare)"
+    metadata: dict[str, Any] = {
+        "pdf": {"Title": title, "Creator": creator, "CreationDate": None},
+        "svg": {"Title": title, "Creator": creator, "Date": None},
+        "png": {"Title": title, "Software": creator},
+    }[fmt]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with matplotlib.rc_context({"svg.hashsalt": "lightning_fedmeta"}):
+        fig.savefig(out, format=fmt, dpi=dpi if fmt == "png" else "figure",
+                    metadata={k: v for k, v in metadata.items() if v is not None or k in ("CreationDate", "Date")})
+    return out

@@ -36,6 +36,8 @@ from lightning_fedmeta.plots import (
 from tests.helpers import make_trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# the head of `fedmeta compare`'s table of groups (issue 31: a row per group of seeds, mean ± std)
+GROUP_HEAD = "| group | runs | seeds | final weighted acc | final worst decile | best weighted acc | rounds |"
 
 
 def _history(values: list[tuple[int, float, float]], stage: str = "val") -> list[dict]:
@@ -108,12 +110,12 @@ def test_compare_two_runs_prints_table_and_writes_plot(tmp_path: Path, capsys: p
     printed = capsys.readouterr().out
     assert _is_png(tmp_path / "cmp" / "compare.png")
     lines = [ln for ln in printed.splitlines() if ln.startswith("| ")]
-    assert lines[0] == "| run | final weighted acc | final worst decile | best weighted acc | rounds |"
-    for name in ("slow", "fast"):
+    assert lines[0] == GROUP_HEAD
+    for name in ("slow", "fast"):  # no config file next to these histories: one group per run, named by folder
         hist = read_history(tmp_path / name / HISTORY_FILE)["history"]
         final = hist[-1]["metrics"]
         row = next(ln for ln in lines if ln.startswith(f"| {name} |"))
-        assert row == (f"| {name} | {final['val/acc_weighted']:.4f} | {final['val/acc_worst10']:.4f} | "
+        assert row == (f"| {name} | 1 | ? | {final['val/acc_weighted']:.4f} | {final['val/acc_worst10']:.4f} | "
                        f"{max(h['metrics']['val/acc_weighted'] for h in hist):.4f} | 4 |")
 
 
@@ -139,7 +141,7 @@ def test_compare_explains_a_folder_without_history(tmp_path: Path) -> None:
 
 def test_compare_rejects_labels_that_do_not_match_the_runs(tmp_path: Path) -> None:
     (tmp_path / HISTORY_FILE).write_text(json.dumps({"version": 1, "history": _history([(2, 0.5, 0.1)])}))
-    with pytest.raises(ValueError, match="--labels has 2 names for 1 runs"):
+    with pytest.raises(ValueError, match=r"--labels has 2 names for 1 groups \(.*\); runs that differ only"):
         compare_main([str(tmp_path), "--labels", "a", "b", "--out", str(tmp_path)])
 
 
@@ -278,11 +280,11 @@ def test_an_old_history_file_still_loads_and_compares(tmp_path: Path, capsys: py
     assert (cb.primary_metric, cb.higher_is_better) == ("acc", True)
 
     capsys.readouterr()
-    summaries = compare_main([str(tmp_path / "old"), "--out", str(tmp_path)])
-    assert summaries["old"] == {"final_acc_weighted": 0.4, "final_acc_worst10": 0.2, "best_acc_weighted": 0.5,
-                                "rounds": 4}
-    assert "| run | final weighted acc | final worst decile | best weighted acc | rounds |" in capsys.readouterr().out
-    summaries = compare_main([str(tmp_path / "old"), "--metric", "loss", "--out", str(tmp_path)])
+    summaries = compare_main([str(tmp_path / "old"), "--out", str(tmp_path)]).summaries
+    assert summaries["old"]["per_run"] == [{"final_acc_weighted": 0.4, "final_acc_worst10": 0.2,
+                                            "best_acc_weighted": 0.5, "rounds": 4}]
+    assert GROUP_HEAD in capsys.readouterr().out
+    summaries = compare_main([str(tmp_path / "old"), "--metric", "loss", "--out", str(tmp_path)]).summaries
     assert summaries["old"]["best_loss_weighted"] == 0.9  # the loss is lower-is-better: best = min
 
 
@@ -308,8 +310,9 @@ def test_compare_uses_the_stored_primary_metric_and_its_direction(tmp_path: Path
     capsys.readouterr()
     run(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")])
     rows = _table_rows(capsys.readouterr().out)
-    assert rows[0] == "| run | final weighted mse | final worst decile | best weighted mse (min) | rounds |"
-    assert rows[1:] == ["| a | 3.0000 | 8.0000 | 2.5000 | 6 |", "| b | 4.5000 | 8.5000 | 4.5000 | 4 |"]
+    assert rows[0] == ("| group | runs | seeds | final weighted mse | final worst decile | "
+                       "best weighted mse (min) | rounds |")
+    assert rows[1:] == ["| a | 1 | ? | 3.0000 | 8.0000 | 2.5000 | 6 |", "| b | 1 | ? | 4.5000 | 8.5000 | 4.5000 | 4 |"]
     assert _is_png(tmp_path / "cmp" / "compare.png")
 
 
@@ -322,12 +325,12 @@ def test_compare_metric_option_picks_the_columns(tmp_path: Path, capsys: pytest.
     _record_run(tmp_path / "f1run", module, history)
     capsys.readouterr()
     expected = {
-        None: ("| run | final weighted f1 | final worst decile | best weighted f1 | rounds |",
-               "| f1run | 0.5500 | 0.3500 | 0.6000 | 6 |"),
-        "acc": ("| run | final weighted acc | final worst decile | best weighted acc | rounds |",
-                "| f1run | 0.7500 | 0.4500 | 0.7500 | 6 |"),
-        "loss": ("| run | final weighted loss | final worst decile | best weighted loss (min) | rounds |",
-                 "| f1run | 0.9000 | 1.9000 | 0.8000 | 6 |"),
+        None: ("| group | runs | seeds | final weighted f1 | final worst decile | best weighted f1 | rounds |",
+               "| f1run | 1 | ? | 0.5500 | 0.3500 | 0.6000 | 6 |"),
+        "acc": (GROUP_HEAD, "| f1run | 1 | ? | 0.7500 | 0.4500 | 0.7500 | 6 |"),
+        "loss": ("| group | runs | seeds | final weighted loss | final worst decile | "
+                 "best weighted loss (min) | rounds |",
+                 "| f1run | 1 | ? | 0.9000 | 1.9000 | 0.8000 | 6 |"),
     }
     for metric, (head, row) in expected.items():
         extra = [] if metric is None else ["--metric", metric]
@@ -336,7 +339,7 @@ def test_compare_metric_option_picks_the_columns(tmp_path: Path, capsys: pytest.
         assert (rows[0], rows[1]) == (head, row), metric
     # --mode overrides the direction
     run(["compare", str(tmp_path / "f1run"), "--metric", "acc", "--mode", "min", "--out", str(tmp_path)])
-    assert _table_rows(capsys.readouterr().out)[1] == "| f1run | 0.7500 | 0.4500 | 0.6500 | 6 |"
+    assert _table_rows(capsys.readouterr().out)[1] == "| f1run | 1 | ? | 0.7500 | 0.4500 | 0.6500 | 6 |"
 
 
 def test_compare_refuses_runs_with_different_primary_metrics(tmp_path: Path,
@@ -356,7 +359,7 @@ def test_compare_refuses_runs_with_different_primary_metrics(tmp_path: Path,
     with pytest.raises(CompareError, match="no run logs 'val/f1_weighted'; the runs log mse, loss, acc"):
         compare_main([*dirs, "--metric", "f1", "--out", str(tmp_path)])
     # a metric both runs log can be compared
-    summaries = compare_main([*dirs, "--metric", "loss", "--out", str(tmp_path)])
+    summaries = compare_main([*dirs, "--metric", "loss", "--out", str(tmp_path)]).summaries
     assert summaries["reg"]["final_loss_weighted"] == 4.0 and math.isnan(summaries["cls"]["final_loss_weighted"])
 
 
@@ -371,9 +374,9 @@ def test_compare_reads_a_regression_csv_logger_file(tmp_path: Path, capsys: pyte
     assert [(h["round"], h["stage"]) for h in hist] == [(2, "val"), (4, "val"), (6, "val")]
     assert available_metrics(hist) == ["loss", "mse"]
     capsys.readouterr()
-    summaries = compare_main([str(tmp_path / "csvreg"), "--out", str(tmp_path)])  # the only metric besides loss
-    assert summaries["csvreg"] == {"final_mse_weighted": 1.25, "final_mse_worst10": 4.5,
-                                             "best_mse_weighted": 1.1, "rounds": 6}  # mse: lower is better
+    summaries = compare_main([str(tmp_path / "csvreg"), "--out", str(tmp_path)]).summaries  # the only one but loss
+    assert summaries["csvreg"]["per_run"] == [{"final_mse_weighted": 1.25, "final_mse_worst10": 4.5,
+                                               "best_mse_weighted": 1.1, "rounds": 6}]  # mse: lower is better
     assert "best weighted mse (min)" in capsys.readouterr().out
     with pytest.raises(CompareError, match="no run logs 'val/acc_weighted'"):
         compare_main([str(tmp_path / "csvreg"), "--metric", "acc", "--out", str(tmp_path)])
