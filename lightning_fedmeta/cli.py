@@ -66,6 +66,7 @@ from lightning_fedmeta.checkpointing import (
 )
 from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.module import FederatedModule, FederatedSetupError
+from lightning_fedmeta.options import resolved_algorithm_spec
 
 __all__ = [
     "FedMetaCLI", "FedMetaConfigError", "checkpoint_dirs", "find_last_checkpoint", "main", "run", "print_algorithms",
@@ -269,7 +270,12 @@ class FedMetaCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse as LightningCLI does; with a ``ckpt_path``, also note which settings the user gave (a config
-        file or the command line, without the defaults): only those are compared with the checkpoint's."""
+        file or the command line, without the defaults): only those are compared with the checkpoint's.
+        ``--print_config`` prints the configuration with the algorithm's hyper-parameters resolved."""
+        argv = None if isinstance(args, dict) or type(args).__name__ == "Namespace" else list(
+            sys.argv[1:] if args is None else args)
+        if argv is not None and any(a.split("=", 1)[0] == "--print_config" for a in argv):
+            _print_resolved_config(parser, argv)
         super().parse_arguments(parser, args)
         self._given: Any = None
         sub = self.config.get("subcommand")
@@ -423,6 +429,7 @@ class FedMetaCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(self.subcommand) if self.subcommand else self.config
+        _resolve_algorithm(cfg)  # the saved config.yaml and hparams.yaml say every hyper-parameter that ran
         self._want_plots = bool(cfg.get("plots", True))
         if self.subcommand in EVALUATION_COMMANDS:
             _check_evaluation_checkpoint(self.subcommand, cfg.get("ckpt_path"), bool(cfg.get("untrained", False)))
@@ -490,6 +497,25 @@ def _refuse_code_or_paths(path: str, fill_model: dict[str, Any], model_now: dict
         raise FedMetaConfigError(code_or_path_message(
             path, refused, f"If you trust them, give them yourself ({flags}, or in the --config file); otherwise "
             "give your own values"))
+
+
+def _resolve_algorithm(cfg: Any) -> None:
+    """``model.algorithm`` of a parsed subcommand config with every default filled in (in place)."""
+    model = _get(cfg, "model")
+    if model is not None and _get(model, "algorithm") is not None:
+        model["algorithm"] = resolved_algorithm_spec(_get(model, "algorithm"))
+
+
+def _print_resolved_config(parser: LightningArgumentParser, argv: list[str]) -> NoReturn:
+    """``--print_config``: the subcommand's configuration as jsonargparse prints it, with ``model.algorithm``
+    resolved (:func:`~lightning_fedmeta.options.resolved_algorithm_spec`); then exit."""
+    rest = [a for a in argv if a.split("=", 1)[0] != "--print_config"]
+    config = parser.parse_args(rest)
+    sub = config.get("subcommand")
+    sub_parser = parser._subcommands_action._name_parser_map[sub]
+    _resolve_algorithm(config[sub])
+    print(sub_parser.dump(config[sub], skip_none=False), end="")
+    sys.exit(0)
 
 
 def _as_dict(node: Any) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from lightning_fedmeta.options import (
     default_model_for,
     resolve_loss_option,
     unsaved_arguments,
+    warn_if_optimizer_ignored,
 )
 from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.privacy_budget import PrivacyBudget
@@ -238,6 +239,7 @@ class FederatedModule(LightningModule):
         self._loss_name = loss_name(spec) if spec is not None else DEFAULT_LOSS[str(data.task)]
         metric_specs = dict(self.metrics) if self.metrics is not None else dict(DEFAULT_METRICS[str(data.task)])
         check_model_outputs(self.model, data, self.per_sample_loss, self._loss_name, metric_specs)
+        warn_if_optimizer_ignored(self.model, self.algorithm)
         self._locate_store()
         reason = self.engine.bind(data, self.model, self.per_sample_loss, str(data.task))
         self.evaluator.bind(metric_specs, data.num_clients)
@@ -261,6 +263,23 @@ class FederatedModule(LightningModule):
 
     def _ranks(self) -> RankSplit:
         return RankSplit.of(self.trainer) if self._trainer is not None else RankSplit()
+
+    def configure_callbacks(self) -> list[Any]:
+        """A plain ``Trainer``'s default progress bar counts epochs ("Epoch 3/-2" with ``max_epochs=-1``): it is
+        replaced by :class:`~lightning_fedmeta.callbacks.RoundProgressBar`, which counts rounds. Only Lightning's
+        own bar classes are replaced (a subclass of them, or ``enable_progress_bar=False``, is left alone)."""
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+        from lightning_fedmeta.callbacks import RoundProgressBar
+
+        if self._trainer is None:
+            return []
+        defaults = [c for c in self.trainer.callbacks if type(c) in (TQDMProgressBar, RichProgressBar)]
+        if not defaults:
+            return []
+        for bar in defaults:
+            self.trainer.callbacks.remove(bar)
+        return [RoundProgressBar()]
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "setup() must run before configure_optimizers()"

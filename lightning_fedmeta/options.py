@@ -4,12 +4,14 @@ loss and metrics checked against the data before round 1 (docs/design.md, contra
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm
@@ -17,12 +19,12 @@ from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.losses import LOSSES, PerSampleLoss
 from lightning_fedmeta.metrics import BUILTIN_METRICS, MetricSpec
 from lightning_fedmeta.models import default_model
-from lightning_fedmeta.registry import create_algorithm
+from lightning_fedmeta.registry import create_algorithm, load_algorithm
 
 __all__ = [
     "FederatedSetupError", "build_algorithm", "check_model_outputs", "check_options", "check_server_optimizer",
-    "default_model_for",
-    "resolve_loss_option", "unsaved_arguments",
+    "default_model_for", "resolve_loss_option", "resolved_algorithm_spec", "unsaved_arguments",
+    "warn_if_optimizer_ignored",
 ]
 
 
@@ -45,6 +47,58 @@ def build_algorithm(spec: str | dict[str, Any] | Algorithm) -> Algorithm:
             raise ValueError(f"an algorithm given as a mapping needs a 'name' key, got keys {sorted(spec)}")
         return create_algorithm(name, **args)
     raise TypeError(f"algorithm must be a name, a mapping with 'name', or an Algorithm; got {type(spec).__name__}")
+
+
+def resolved_algorithm_spec(spec: Any) -> Any:
+    """``model.algorithm`` with every hyper-parameter of the registered algorithm filled in with its declared
+    default, so a printed or saved configuration says what ran: ``"fedavg"`` → ``{name: fedavg, local_lr: 0.05,
+    local_steps: 10, ..., finetune_lr: null}``. A default of ``None`` stays ``None`` (it means "derived", e.g.
+    ``finetune_lr`` follows ``local_lr``), so editing the printed file behaves as editing the short one. Anything
+    that is not a registered name or a ``{name: ...}`` mapping (an :class:`Algorithm`, a ``class_path``) is returned
+    as it is, and so is a spec whose name is not registered (the module's own check names it)."""
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or "class_path" in spec:
+        return spec
+    try:
+        cls = load_algorithm(spec["name"])
+    except (KeyError, ValueError, ImportError):
+        return spec
+    params = inspect.signature(cls.__init__).parameters
+    plain = {n: p.default for n, p in params.items()
+             if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and (p.default is None or isinstance(p.default, (bool, int, float, str)))}
+    return {"name": spec["name"], **plain, **{k: v for k, v in spec.items() if k != "name"}}
+
+
+def warn_if_optimizer_ignored(model: nn.Module, algorithm: Algorithm) -> None:
+    """A user's ``LightningModule`` as the model: its ``configure_optimizers`` and learning rate are not used (the
+    clients' local optimizer is the algorithm's, the server's is ``model.server_optimizer``); say so once, naming
+    the option that sets the local rate and its value."""
+    from lightning.pytorch import LightningModule
+
+    if not isinstance(model, LightningModule):
+        return
+    own = type(model).configure_optimizers is not LightningModule.configure_optimizers
+    rate = _learning_rate_of(model)
+    if not own and rate is None:
+        return
+    local = getattr(algorithm, "local_lr", None)
+    used = (f"model.algorithm.local_lr = {local:g} ({type(algorithm).__name__}'s local rate)" if local is not None
+            else f"the local step of {type(algorithm).__name__} (its hyper-parameters in model.algorithm)")
+    what = " and ".join(x for x in ("configure_optimizers" if own else "", f"lr = {rate:g}" if rate else "") if x)
+    rank_zero_warn(f"[lightning_fedmeta] {type(model).__name__}'s {what} are not used: each client trains with "
+                   f"{used}; the server step is model.server_optimizer / model.server_lr", category=UserWarning)
+
+
+def _learning_rate_of(model: nn.Module) -> float | None:
+    """A LightningModule's learning rate: its ``lr`` / ``learning_rate`` attribute or hyper-parameter."""
+    hparams = getattr(model, "hparams", None) or {}
+    for value in [getattr(model, k, None) for k in ("lr", "learning_rate")] + [hparams.get(k) for k in
+                                                                               ("lr", "learning_rate")]:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def default_model_for(spec: dict[str, Any]) -> nn.Module:

@@ -186,3 +186,63 @@ def test_progress_bar_shows_the_latest_rounds_loss_not_the_last_logged_one() -> 
     assert bar.get_metrics(trainer, module)["loss"] == 0.25  # type: ignore[arg-type]
     assert bar.evaluation_line(trainer, module) == (  # type: ignore[arg-type]
         "round 2/4: clients 3, loss 0.2500, val/acc_weighted 0.7500")
+
+
+# ---- item 7: what ran is what the YAML says; an ignored optimizer is named -------------------------------------------
+
+def test_print_config_and_the_saved_config_show_every_algorithm_hyper_parameter(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(_config(tmp_path)), "--print_config"])
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]["algorithm"]
+    assert printed == {"name": "fedavg", "local_lr": 0.05, "local_steps": 2, "batch_size": 8, "finetune_steps": 0,
+                       "finetune_lr": None, "finetune_batch_size": 32}  # None: follows local_lr, as in the code
+    run(["fit", "--config", str(_config(tmp_path)), "--trainer.default_root_dir", str(tmp_path / "logs"),
+         "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"])
+    saved = yaml.safe_load((tmp_path / "logs" / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    assert saved["model"]["algorithm"] == printed
+
+
+def test_a_lightning_module_models_own_optimizer_is_named_as_unused() -> None:
+    import lightning as L
+    from torch import nn
+
+    from tests.helpers import fit, tiny_datamodule, tiny_module
+
+    class Net(L.LightningModule):
+        def __init__(self, lr: float = 0.3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = nn.Linear(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+    module = tiny_module({"name": "fedavg", "local_lr": 0.05, "local_steps": 1, "batch_size": 4}, model=Net)
+    with pytest.warns(UserWarning, match=r"Net's configure_optimizers and lr = 0\.3 are not used: .*"
+                                         r"model\.algorithm\.local_lr = 0\.05"):
+        fit(module, tiny_datamodule(), 1)
+
+
+def test_a_plain_trainer_shows_rounds_not_epochs() -> None:
+    """Lightning's own bar, on a plain Trainer, says "Epoch 3/-2" (max_epochs = -1); the module replaces it by
+    RoundProgressBar, and leaves a chosen bar (a subclass) or no bar alone."""
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from tests.helpers import tiny_datamodule, tiny_module
+
+    class Mine(TQDMProgressBar):
+        pass
+
+    spec = {"name": "fedavg", "local_lr": 0.05, "local_steps": 1, "batch_size": 4}
+    for callbacks, expected in (([], RoundProgressBar), ([TQDMProgressBar()], RoundProgressBar), ([Mine()], Mine)):
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(tiny_module(spec), tiny_datamodule())
+        bars = [c for c in trainer.callbacks if isinstance(c, TQDMProgressBar) or type(c).__name__.endswith("Bar")]
+        assert [type(b) for b in bars] == [expected]
