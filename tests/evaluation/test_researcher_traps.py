@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torchmetrics.classification import MultilabelAUROC, MultilabelAveragePrecision, MultilabelF1Score
 
+from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.data.lightning_adapter import LightningDataPartition
 from tests.data.test_data_tasks import TinyWithTest
+from tests.helpers import make_trainer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,3 +68,41 @@ def test_an_option_given_in_both_places_alike_is_accepted() -> None:
     )
     dm.setup("fit")
     assert dm.federated_data is not None and dm.federated_data.num_clients == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# item 4: a multi-label torchmetrics metric gets its targets in the dtype it needs
+# ----------------------------------------------------------------------------------------------
+def _multilabel_clients() -> list[tuple[Tensor, ...]]:
+    """Six clients, 4 features, 3 labels from client-shifted linear scores (float 0/1 targets, as BCE needs)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 3, generator=g)
+    out = []
+    for i, n in enumerate((20, 30, 25, 40, 22, 35)):
+        x = torch.randn(n + 16, 4, generator=g) + 0.3 * (i % 3)
+        y = (x @ w + 0.3 * torch.randn(n + 16, 3, generator=g) > 0).float()
+        out.append((x[:n], y[:n], x[n:], y[n:]))
+    return out
+
+
+class _MultilabelClients:
+    num_classes, task = 3, "multilabel"
+
+    def client_data(self) -> list[tuple[Tensor, ...]]:
+        return _multilabel_clients()
+
+
+def test_multilabel_auroc_with_thresholds_and_average_precision_work_in_a_short_fit() -> None:
+    metrics = {"auroc": MultilabelAUROC(num_labels=3, thresholds=100),
+               "ap": MultilabelAveragePrecision(num_labels=3, thresholds=100), "f1": MultilabelF1Score(num_labels=3)}
+    module = FederatedModule(nn.Linear(4, 3), {"name": "fedavg", "local_steps": 3, "local_lr": 0.3},
+                             clients_per_round=3, metrics=metrics)
+    make_trainer(4).fit(module, FederatedDataModule(dataset=_MultilabelClients(), eval_every=2))  # type: ignore[arg-type]
+    for i in range(6):
+        x, y = module.data.client_test(i)
+        with torch.no_grad():
+            z = module.personalize(i)(x)
+        for key, metric in metrics.items():
+            direct = type(metric)(num_labels=3, **({"thresholds": 100} if key != "f1" else {}))(z, y.long())
+            assert float(module.last_per_client[key][i]) == pytest.approx(float(direct), abs=1e-6), (key, i)
+    assert 0.5 < float(module.last_summary["clients"]["auroc_weighted"]) <= 1.0
