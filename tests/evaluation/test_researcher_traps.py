@@ -13,7 +13,7 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.data.lightning_adapter import LightningDataPartition
 from tests.data.test_data_tasks import TinyWithTest
-from tests.helpers import make_trainer
+from tests.helpers import make_trainer, tiny_datamodule, tiny_linear
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,3 +106,25 @@ def test_multilabel_auroc_with_thresholds_and_average_precision_work_in_a_short_
             direct = type(metric)(num_labels=3, **({"thresholds": 100} if key != "f1" else {}))(z, y.long())
             assert float(module.last_per_client[key][i]) == pytest.approx(float(direct), abs=1e-6), (key, i)
     assert 0.5 < float(module.last_summary["clients"]["auroc_weighted"]) <= 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# item 3: a client's model can be inspected after trainer.validate (no buffer of the inference mode is reused)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"name": "ditto"}, {"name": "mtl_mean"}, {"name": "mtl_pairwise"}, {"name": "mtl_graph", "knn": 2},
+     {"name": "mocha", "local_iters": 5}],
+    ids=lambda a: a["name"],
+)
+def test_personalize_after_trainer_validate_for_training_and_held_out_clients(algorithm: dict[str, object]) -> None:
+    module = FederatedModule(tiny_linear(), algorithm=algorithm, clients_per_round=3, holdout_clients=2)
+    dm, trainer = tiny_datamodule(), make_trainer(2)
+    trainer.fit(module, dm)
+    trainer.validate(module, dm, verbose=False)  # under inference mode, as Lightning validates by default
+    held_out = int(module.holdout.nonzero()[0, 0])
+    for client in (int(module.eligible.nonzero()[0, 0]), held_out):
+        x, y = module.data.client_test(client)
+        with torch.no_grad():
+            logits = module.personalize(client)(x)
+        assert logits.shape == (len(y), 3) and bool(torch.isfinite(logits).all())
