@@ -19,7 +19,9 @@ A metric is either
   client, updated with that client's real (unpadded) outputs and targets. Its state must be
   fixed-size tensors (a metric that stores every prediction in a list, such as ``AUROC`` without
   ``thresholds``, is refused: give it ``thresholds``). Outputs with positions (``[n, T, C]``
-  scores for ``[n, T]`` tokens) are flattened to one row per position first.
+  scores for ``[n, T]`` tokens) are flattened to one row per position first. A classification metric
+  (torchmetrics.classification, e.g. ``MultilabelAUROC``) gets whole-number float targets (multi-label
+  0/1 rows) as ``long``, the dtype it needs; other metrics get the targets as they are.
 
 Processes of a multi-process run each evaluate a disjoint set of clients; every per-client state
 row is written by exactly one process, so a zero-filled all-reduce (a sum) gives every process
@@ -147,6 +149,20 @@ def _flatten_positions(outputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor
     return outputs, targets
 
 
+def _wants_class_ids(metric: Metric) -> bool:
+    """Whether ``metric`` is one of torchmetrics' classification metrics (or a subclass of one): they take integer
+    targets, and the binned curves and AUROC refuse float ones."""
+    return any(cls.__module__.startswith("torchmetrics.classification") for cls in type(metric).__mro__)
+
+
+def _class_ids(target: Tensor) -> Tensor:
+    """Float targets holding whole numbers (multi-label 0/1 rows, kept as float for the loss) as ``long``; any
+    other target as it is (soft labels stay float, for torchmetrics to accept or refuse)."""
+    if target.is_floating_point() and bool(torch.equal(target, target.round())):
+        return target.long()
+    return target
+
+
 class ClientMetrics:
     """Per-client metric states for ``num_clients`` clients, with checkpointable stacked state.
 
@@ -255,8 +271,10 @@ class ClientMetrics:
         for row, client in enumerate(clients.tolist()):
             real = mask[row] > 0
             preds, target = _flatten_positions(outputs[row][real].float(), targets[row][real])
+            as_ids = _class_ids(target)
             for clones in self.torchmetrics.values():
-                clones[client].update(preds, target)
+                metric = clones[client]
+                metric.update(preds, as_ids if _wants_class_ids(metric) else target)
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every per-client state, stacked over clients (one ``[K, ...]`` tensor per entry)."""

@@ -155,7 +155,10 @@ class FederatedDataModule(L.LightningDataModule):
         partition: how an image dataset's train set is split: ``"iid"``, ``"dirichlet"``
             (label skew, Dir(``dirichlet_alpha``)), ``"shards"`` (``classes_per_client`` label
             shards per client) or ``"perfedavg_paper"`` (the Per-FedAvg paper's split with
-            ``a = samples_per_class``). Ignored for the synthetic datasets and user datasets.
+            ``a = samples_per_class``). Ignored for the synthetic datasets and user datasets, except a
+            :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition`, which splits with this
+            module's ``num_clients``, ``partition``, ``dirichlet_alpha``, ``classes_per_client``,
+            ``max_samples_per_client`` and ``data_seed``.
         num_clients: number of clients ``K >= 1`` (the paper split of Per-FedAvg uses 50).
         dirichlet_alpha: concentration ``alpha > 0`` of the Dirichlet partition; smaller is more skewed.
         classes_per_client: shards per client for ``"shards"``, in ``[1, 10]``.
@@ -211,6 +214,11 @@ class FederatedDataModule(L.LightningDataModule):
         _check_synthetic_options(synthetic_alpha, synthetic_beta)
         _check_evaluation_options(eval_every, validation_fraction, eval_clients)
         _check_root(dataset, root)
+        _share_split_options(dataset, {
+            "num_clients": num_clients, "partition": partition, "dirichlet_alpha": dirichlet_alpha,
+            "classes_per_client": classes_per_client, "seed": data_seed,
+            "max_samples_per_client": max_samples_per_client,
+        })
 
         self.dataset = dataset
         self.root = root
@@ -415,6 +423,16 @@ def _check_partition_options(
     _check_int("samples_per_class", samples_per_class, 2)
     if max_samples_per_client is not None:
         _check_int("max_samples_per_client", max_samples_per_client, 1)
+
+
+def _share_split_options(dataset: str | FederatedDataset, options: dict[str, Any]) -> None:
+    """Give a user dataset that splits samples itself (``follow_datamodule``, as
+    :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` has) this module's split options, so
+    ``--data.num_clients``, ``--data.partition``, ``--data.data_seed`` and the others change its split (it refuses
+    one it cannot apply) instead of being ignored."""
+    follow = None if isinstance(dataset, str) else getattr(dataset, "follow_datamodule", None)
+    if callable(follow):
+        follow(options)
 
 
 def _check_synthetic_options(synthetic_alpha: float, synthetic_beta: float) -> None:

@@ -33,11 +33,18 @@ from torch import Tensor
 from lightning_fedmeta.data.federated import TASKS, FederatedDataset, infer_task
 from lightning_fedmeta.data.partition import cap_client_sizes, dirichlet, iid, matching_test_split, shards
 
-__all__ = ["ADAPTER_PARTITIONS", "LightningDataPartition"]
+__all__ = ["ADAPTER_PARTITIONS", "STANDALONE_DEFAULTS", "LightningDataPartition"]
 
 #: The partitions :class:`LightningDataPartition` offers (``dirichlet`` and ``shards`` split by class label).
 ADAPTER_PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards")
 _TEST_SPLITS = ("matching", "iid")
+#: The split options a :class:`LightningDataPartition` used on its own takes when they are left out (``None``).
+STANDALONE_DEFAULTS: dict[str, Any] = {
+    "num_clients": 10, "partition": "iid", "dirichlet_alpha": 0.5, "classes_per_client": 2, "seed": 0,
+    "max_samples_per_client": None,
+}
+#: Each split option's name on :class:`~lightning_fedmeta.data.FederatedDataModule`.
+_DATAMODULE_NAMES = {name: "data_seed" if name == "seed" else name for name in STANDALONE_DEFAULTS}
 
 
 class LightningDataPartition(FederatedDataset):
@@ -77,15 +84,26 @@ class LightningDataPartition(FederatedDataset):
     is not ``None``; otherwise ``max + 1`` of the integer targets (and of the inputs too for next-token
     data), the label count ``y.shape[1]`` for multi-label, and ``None`` for regression.
 
+    **Inside a** :class:`~lightning_fedmeta.data.FederatedDataModule` the split follows the data module's
+    options, so the CLI's ``--data.num_clients``, ``--data.partition``, ``--data.dirichlet_alpha``,
+    ``--data.classes_per_client``, ``--data.max_samples_per_client`` and ``--data.data_seed`` (the
+    three-seed recipe of docs/reproduction.md) change it: leave the six split options below out here
+    (``None``). One given here that differs from the data module's value is refused
+    (:meth:`follow_datamodule`), never silently overridden either way; ``data.partition="perfedavg_paper"``
+    is refused too. Used on its own, the options left out take the defaults of
+    :data:`STANDALONE_DEFAULTS` (10 clients, ``"iid"``, alpha 0.5, 2 classes per client, seed 0, no cap).
+
     Args:
         datamodule: the user's datamodule (``class_path``/``init_args`` in YAML).
-        num_clients: number of clients ``K >= 1``.
-        partition: ``"iid"``, ``"dirichlet"`` or ``"shards"``.
-        dirichlet_alpha: concentration of ``"dirichlet"``, ``> 0``.
-        classes_per_client: shards per client of ``"shards"``, ``>= 1``.
+        num_clients: number of clients ``K >= 1`` (``None``: ``data.num_clients``).
+        partition: ``"iid"``, ``"dirichlet"`` or ``"shards"`` (``None``: ``data.partition``).
+        dirichlet_alpha: concentration of ``"dirichlet"``, ``> 0`` (``None``: ``data.dirichlet_alpha``).
+        classes_per_client: shards per client of ``"shards"``, ``>= 1`` (``None``: ``data.classes_per_client``).
         test: ``"matching"`` or ``"iid"`` (above).
-        seed: seed of the loaders' randomness, the partition, the cap and the test split.
-        max_samples_per_client: keep at most this many train samples per client; ``None`` keeps all.
+        seed: seed of the loaders' randomness, the partition, the cap and the test split (``None``:
+            ``data.data_seed``).
+        max_samples_per_client: keep at most this many train samples per client; ``None`` keeps all (or
+            follows ``data.max_samples_per_client``).
         task: one of :data:`~lightning_fedmeta.data.federated.TASKS`; ``None`` infers it from the dtypes
             (:func:`~lightning_fedmeta.data.federated.infer_task`; multi-label must be named, its targets
             look like regression's).
@@ -94,41 +112,67 @@ class LightningDataPartition(FederatedDataset):
     def __init__(
         self,
         datamodule: L.LightningDataModule,
-        num_clients: int = 10,
-        partition: Literal["iid", "dirichlet", "shards"] = "iid",
-        dirichlet_alpha: float = 0.5,
-        classes_per_client: int = 2,
+        num_clients: int | None = None,
+        partition: Literal["iid", "dirichlet", "shards"] | None = None,
+        dirichlet_alpha: float | None = None,
+        classes_per_client: int | None = None,
         test: Literal["matching", "iid"] = "matching",
-        seed: int = 0,
+        seed: int | None = None,
         max_samples_per_client: int | None = None,
         task: str | None = None,
     ) -> None:
         if not isinstance(datamodule, L.LightningDataModule):
             raise ValueError(f"datamodule must be a lightning.LightningDataModule, got {type(datamodule).__name__}")
-        _check_int("num_clients", num_clients, 1)
-        if partition not in ADAPTER_PARTITIONS:
-            raise ValueError(f"partition must be one of {list(ADAPTER_PARTITIONS)}, got {partition!r}")
-        if not dirichlet_alpha > 0:
-            raise ValueError(f"dirichlet_alpha must be > 0, got {dirichlet_alpha!r}")
-        _check_int("classes_per_client", classes_per_client, 1)
         if test not in _TEST_SPLITS:
             raise ValueError(f"test must be one of {list(_TEST_SPLITS)}, got {test!r}")
-        if max_samples_per_client is not None:
-            _check_int("max_samples_per_client", max_samples_per_client, 1)
         if task is not None and task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)} or None, got {task!r}")
+        given = {"num_clients": num_clients, "partition": partition, "dirichlet_alpha": dirichlet_alpha,
+                 "classes_per_client": classes_per_client, "seed": seed,
+                 "max_samples_per_client": max_samples_per_client}
+        self._given = {name: value for name, value in given.items() if value is not None}
+        _check_split_options(self._given, "")
         self.datamodule = datamodule
-        self.num_clients = num_clients
-        self.partition = partition
-        self.dirichlet_alpha = dirichlet_alpha
-        self.classes_per_client = classes_per_client
         self.test = test
-        self.seed = seed
-        self.max_samples_per_client = max_samples_per_client
+        self._set_split_options({**STANDALONE_DEFAULTS, **self._given})
         self._task = task
         self._clients: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
         self._num_classes: int | None = None
         self._loader_names = {"train": "train_dataloader()", "test": "test_dataloader()"}
+
+    def follow_datamodule(self, options: Mapping[str, Any]) -> None:
+        """Split as the :class:`~lightning_fedmeta.data.FederatedDataModule` that uses this says.
+
+        ``options`` maps this class's split option names (``num_clients``, ``partition``, ``dirichlet_alpha``,
+        ``classes_per_client``, ``seed``, ``max_samples_per_client``) to the data module's values. An option
+        given to this class that differs is refused: which of two values a run used must not depend on which
+        one silently won. A split already read with other options is dropped and made again on next use.
+        """
+        for name, value in options.items():
+            if name in self._given and self._given[name] != value:
+                option = _DATAMODULE_NAMES[name]
+                raise ValueError(
+                    f"LightningDataPartition({name}={self._given[name]!r}) disagrees with data.{option}={value!r} "
+                    f"(the FederatedDataModule's option, --data.{option} on the CLI), which sets the split: give "
+                    f"it there only (data.{option}: {self._given[name]!r}) and leave {name} out of "
+                    "LightningDataPartition"
+                )
+        _check_split_options(options, "data.")
+        resolved = {**STANDALONE_DEFAULTS, **options}
+        if self._clients is not None and resolved != self._split_options():
+            self._clients = None
+        self._set_split_options(resolved)
+
+    def _set_split_options(self, options: Mapping[str, Any]) -> None:
+        self.num_clients: int = options["num_clients"]
+        self.partition: str = options["partition"]
+        self.dirichlet_alpha: float = options["dirichlet_alpha"]
+        self.classes_per_client: int = options["classes_per_client"]
+        self.seed: int = options["seed"]
+        self.max_samples_per_client: int | None = options["max_samples_per_client"]
+
+    def _split_options(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in STANDALONE_DEFAULTS}
 
     @property
     def num_classes(self) -> int | None:  # type: ignore[override]
@@ -228,6 +272,26 @@ class LightningDataPartition(FederatedDataset):
         else:
             parts = shards(train_y, k, self.classes_per_client, self.seed)
         return cap_client_sizes(parts, self.max_samples_per_client, self.seed)
+
+def _check_split_options(options: Mapping[str, Any], prefix: str) -> None:
+    """Refuse a split option outside its range, named as the caller knows it (``prefix`` ``"data."`` for the
+    data module's options)."""
+    def named(name: str) -> str:
+        return prefix + (_DATAMODULE_NAMES[name] if prefix else name)
+
+    for name in ("num_clients", "classes_per_client", "max_samples_per_client"):
+        if options.get(name) is not None:
+            _check_int(named(name), options[name], 1)
+    if "seed" in options:
+        _check_int(named("seed"), options["seed"], 0)
+    if "partition" in options and options["partition"] not in ADAPTER_PARTITIONS:
+        raise ValueError(
+            f"{named('partition')} must be one of {list(ADAPTER_PARTITIONS)} for a LightningDataPartition, got "
+            f"{options['partition']!r}"
+        )
+    if "dirichlet_alpha" in options and not options["dirichlet_alpha"] > 0:
+        raise ValueError(f"{named('dirichlet_alpha')} must be > 0, got {options['dirichlet_alpha']!r}")
+
 
 def _check_int(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
