@@ -16,6 +16,7 @@ tensors, kept on CPU) that the federated LightningModule reads from
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -24,7 +25,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -430,9 +431,19 @@ def _share_split_options(dataset: str | FederatedDataset, options: dict[str, Any
     :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` has) this module's split options, so
     ``--data.num_clients``, ``--data.partition``, ``--data.data_seed`` and the others change its split (it refuses
     one it cannot apply) instead of being ignored."""
-    follow = None if isinstance(dataset, str) else getattr(dataset, "follow_datamodule", None)
+    if isinstance(dataset, str):
+        return
+    follow = getattr(dataset, "follow_datamodule", None)
     if callable(follow):
         follow(options)
+        return
+    params = inspect.signature(FederatedDataModule.__init__).parameters
+    defaults = {("seed" if n == "data_seed" else n): p.default for n, p in params.items()}
+    unused = [f"data.{'data_seed' if k == 'seed' else k}={v!r}" for k, v in options.items()
+              if k in defaults and v != defaults[k]]
+    if unused:  # a dataset that brings its own clients: the split options cannot change it
+        rank_zero_warn(f"{', '.join(unused)} do not apply to {type(dataset).__name__}: it brings its own clients "
+                       "(FederatedDataset.client_data), so these options are ignored", category=UserWarning)
 
 
 def _check_synthetic_options(synthetic_alpha: float, synthetic_beta: float) -> None:

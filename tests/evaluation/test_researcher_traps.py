@@ -144,3 +144,21 @@ def test_the_regression_demo_config_gives_a_positive_per_client_r2(tmp_path: Pat
                "--trainer.enable_checkpointing", "false"])
     clients = cli.model.last_summary["clients"]  # type: ignore[attr-defined]
     assert float(clients["r2_weighted"]) > 0.2 and float(clients["r2_mean"]) > 0.1, clients
+
+
+def test_split_options_a_users_own_clients_cannot_follow_are_named_as_ignored() -> None:
+    """A FederatedDataset brings its own clients: --data.num_clients, --data.partition and --data.data_seed cannot
+    change them, and a user who sets them is told so instead of getting a silently identical split."""
+    import warnings
+
+    from lightning_fedmeta.data import FederatedDataModule
+    from tests.helpers import TinyDataset
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FederatedDataModule(dataset=TinyDataset(6))
+        assert not [w for w in caught if "do not apply" in str(w.message)]
+        FederatedDataModule(dataset=TinyDataset(6), num_clients=12, partition="shards", data_seed=3)
+    messages = [str(w.message) for w in caught if "do not apply" in str(w.message)]
+    assert messages == ["data.num_clients=12, data.partition='shards', data.data_seed=3 do not apply to TinyDataset: "
+                        "it brings its own clients (FederatedDataset.client_data), so these options are ignored"]
