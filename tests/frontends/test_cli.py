@@ -64,7 +64,8 @@ def test_algorithm_and_hyper_parameter_override_from_the_command_line(capsys: py
         run(["fit", "--config", QUICKSTART, "--model.algorithm", '{"name": "scaffold", "local_lr": 0.1}',
              "--print_config"])
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["model"]["algorithm"] == {"name": "scaffold", "local_lr": 0.1}
+    algorithm = config["model"]["algorithm"]  # every hyper-parameter, the given ones as given
+    assert algorithm["name"] == "scaffold" and algorithm["local_lr"] == 0.1 and algorithm["local_steps"] == 10
 
 
 def test_algorithms_command_lists_builtins_with_their_distribution(capsys: pytest.CaptureFixture[str]) -> None:

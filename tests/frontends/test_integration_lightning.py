@@ -258,14 +258,23 @@ def test_tensorboard_logger_writes_per_round_and_personalised_scalars(tmp_path: 
 # progress bars, seeding, fast_dev_run
 # ------------------------------------------------------------------------------------------------
 def test_rich_progress_bar_runs_a_federated_fit(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, 3, enable_progress_bar=True, callbacks=[RichProgressBar()])
+    """A Rich bar of the user's own class runs a federated fit; Lightning's own RichProgressBar (which a plain Trainer
+    makes when rich is installed, and which counts epochs: "Epoch 3/-2") is replaced by RoundProgressBar."""
+
+    class MyRichBar(RichProgressBar):
+        pass
+
+    trainer = _trainer(tmp_path, 3, enable_progress_bar=True, callbacks=[MyRichBar()])
     trainer.fit(_fedavg(), _synthetic_dm(eval_every=3))
     assert trainer.global_step == 3
-    assert isinstance(trainer.progress_bar_callback, RichProgressBar)
+    assert isinstance(trainer.progress_bar_callback, MyRichBar)
+    plain = _trainer(tmp_path, 3, enable_progress_bar=True, callbacks=[RichProgressBar()])
+    plain.fit(_fedavg(), _synthetic_dm(eval_every=3))
+    assert type(plain.progress_bar_callback) is RoundProgressBar
 
 
 def test_round_progress_bar_counts_rounds_over_the_whole_run(tmp_path: Path) -> None:
-    bar = RoundProgressBar()
+    bar = RoundProgressBar(plain=False)  # the bar itself (plain=None draws none where stdout is not a terminal)
     trainer = _trainer(tmp_path, 6, enable_progress_bar=True, callbacks=[bar])
     module = _fedavg()
     trainer.fit(module, _synthetic_dm(eval_every=2))  # 3 epochs of 2 rounds
