@@ -371,8 +371,8 @@ def test_compare_still_reads_a_well_formed_history(tmp_path: Path) -> None:
     path = tmp_path / "fedmeta_history.json"
     path.write_text(json.dumps({"history": [_GOOD_RECORD, {"round": 4, "stage": "val",
                                                            "metrics": {"val/acc_weighted": None}}]}))
-    summaries = compare_main([str(path), "--out", str(tmp_path)], stream=io.StringIO())
-    assert [s["rounds"] for s in summaries.values()] == [2]
+    comparison = compare_main([str(path), "--out", str(tmp_path)], stream=io.StringIO())
+    assert [s["rounds"] for s in comparison.summaries.values()] == [[2]]  # one run; its last round with a value
 
 
 # ----------------------------------------------------------------------------------------------
