@@ -53,6 +53,7 @@ from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, noise_only_uploads
 from lightning_fedmeta.loop.stages import ServerContext, Uploads
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
+from lightning_fedmeta.privacy_budget import PrivacyBudget
 from lightning_fedmeta.reliability import Reliability
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
@@ -471,9 +472,24 @@ class DeploymentServer:
         self.federation.mark_seen(answered)
         self.state_round[answered] = round_idx
         if uploads.privacy is not None:
-            entry["dp"] = uploads.privacy.logged()
+            entry["dp"] = {**uploads.privacy.logged(), **self._privacy_spent(round_idx + 1)}
             if uploads.privacy.next_clip is not None:
                 self.dp_clip = uploads.privacy.next_clip
+
+    def _privacy_spent(self, rounds: int) -> dict[str, Any]:
+        """``epsilon`` after ``rounds`` released rounds (the module's accountant, q = m / N) and ``secure_mode``
+        (whether ε holds against a reader of the seed); only ``secure_mode`` when Opacus is not installed."""
+        dp = self.federation.reliability.dp
+        assert dp is not None
+        spent: dict[str, Any] = {"secure_mode": bool(dp.secure_mode)}
+        try:
+            budget = PrivacyBudget(dp, self.num_sampled / int(self.eligible.numel()))
+            spent["epsilon"] = budget.epsilon(rounds)
+        except ImportError as exc:  # the privacy extra is not installed on the server
+            if not getattr(self, "_warned_no_accountant", False):
+                self.log(f"[fedmeta] ε is not accounted: {exc}")
+                self._warned_no_accountant = True
+        return spent
 
     def _checked(self, kind: str, round_idx: int, replies: dict[int, Message]) -> dict[int, Any]:
         """The replies that pass their check (train: a :class:`ClientOutput`; evaluate: the sums); every other

@@ -212,6 +212,9 @@ def test_deployment_with_robust_rule_or_dp_equals_in_process(stage: str, tmp_pat
     assert max_diff(ref_params, server.params()) < 1e-5
     if stage == "dp_adaptive":
         assert all("dp" in entry for entry in server.history)
+        last = [entry["dp"] for entry in server.history if "dp" in entry][-1]  # ε as the module accounts it
+        assert last["epsilon"] == pytest.approx(reference.epsilon_spent(ROUNDS), rel=1e-12)
+        assert last["secure_mode"] is False
         assert server.dp_clip != 0.05 and server.dp_clip == pytest.approx(float(reference.dp_clip), rel=1e-6)
         (tmp_path / "plain").mkdir()
         noiseless, _ = deployed(write_config(tmp_path / "plain", ALGORITHMS["fedavg"], extra=SERVER_STAGES[stage]
