@@ -474,3 +474,15 @@ def _is_terminal(stream: Any) -> bool:
         return bool(isatty()) if callable(isatty) else False
     except (ValueError, OSError):  # a closed stream
         return False
+
+
+def round_bar_instead_of_default(trainer: pl.Trainer) -> list[pl.Callback]:
+    """For ``FederatedModule.configure_callbacks``: a plain ``Trainer``'s own progress bar counts epochs ("Epoch
+    3/-2" with ``max_epochs=-1``), so it is removed and a :class:`RoundProgressBar` returned. Only Lightning's own
+    bar classes are replaced (a subclass of them, or ``enable_progress_bar=False``, is left alone)."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    defaults = [c for c in trainer.callbacks if type(c) in (TQDMProgressBar, RichProgressBar)]
+    for bar in defaults:
+        trainer.callbacks.remove(bar)
+    return [RoundProgressBar()] if defaults else []

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm
+from lightning_fedmeta.callbacks import round_bar_instead_of_default
 from lightning_fedmeta.checkpoint_state import restore_module_state, save_module_state
 from lightning_fedmeta.checkpointing import (
     install_atomic_checkpoint_io,
@@ -54,7 +55,7 @@ from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.privacy_budget import PrivacyBudget
 from lightning_fedmeta.private_fit import start_private_fit
 from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.round_logging import log_round, log_summary, record_outside_validation
+from lightning_fedmeta.round_logging import log_round, log_summary, run_pending_evaluation
 
 __all__ = ["FederatedModule", "FederatedSetupError", "format_summary"]
 
@@ -265,21 +266,9 @@ class FederatedModule(LightningModule):
         return RankSplit.of(self.trainer) if self._trainer is not None else RankSplit()
 
     def configure_callbacks(self) -> list[Any]:
-        """A plain ``Trainer``'s default progress bar counts epochs ("Epoch 3/-2" with ``max_epochs=-1``): it is
-        replaced by :class:`~lightning_fedmeta.callbacks.RoundProgressBar`, which counts rounds. Only Lightning's
-        own bar classes are replaced (a subclass of them, or ``enable_progress_bar=False``, is left alone)."""
-        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-
-        from lightning_fedmeta.callbacks import RoundProgressBar
-
-        if self._trainer is None:
-            return []
-        defaults = [c for c in self.trainer.callbacks if type(c) in (TQDMProgressBar, RichProgressBar)]
-        if not defaults:
-            return []
-        for bar in defaults:
-            self.trainer.callbacks.remove(bar)
-        return [RoundProgressBar()]
+        """A round-counting progress bar in place of Lightning's own (:func:`~lightning_fedmeta.callbacks.
+        round_bar_instead_of_default`)."""
+        return round_bar_instead_of_default(self.trainer) if self._trainer is not None else []
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "setup() must run before configure_optimizers()"
@@ -340,25 +329,7 @@ class FederatedModule(LightningModule):
         checkpoint was written before."""
         if self.reliability.dp is not None:
             self._budget = start_private_fit(self)
-        if self._evaluation_pending():
-            rank_zero_info(f"[lightning_fedmeta] the checkpoint was written after round {self._loaded_round}, before "
-                           "its evaluation: evaluating it now")
-            self._run_pending_validation()
-
-    def _run_pending_validation(self) -> None:
-        """The evaluation of the resumed round, logged at that round and passed to the callbacks
-        (:func:`~lightning_fedmeta.round_logging.record_outside_validation`)."""
-        record_outside_validation(self, self._evaluate("val", log=False), self._loaded_round)
-
-    def _evaluation_pending(self) -> bool:
-        """Whether this fit resumed from a checkpoint of an evaluation round written before that round's evaluation
-        (``ModelCheckpoint(every_n_train_steps=...)`` saves after the training step; Lightning then skips the
-        validation on resume, so the evaluation would never be recorded)."""
-        r, evaluated = self._loaded_round, getattr(self, "_evaluated_round", None)
-        eval_every = getattr(getattr(self.trainer, "datamodule", None), "eval_every", None)
-        if r <= 0 or int(self.global_step) != r or evaluated is None or evaluated == r or not eval_every:
-            return False
-        return r % int(eval_every) == 0 and bool(self.trainer.limit_val_batches)
+        run_pending_evaluation(self)
 
     def epsilon_spent(self, rounds: int) -> float:
         """ε after ``rounds`` rounds of this fit of ``model.dp`` at its ``delta``, the rounds of earlier fits of

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_fedmeta.loop.round import RoundReport
@@ -85,3 +86,18 @@ def record_outside_validation(module: Any, summary: dict[str, dict[str, Tensor]]
         logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=round_idx - 1)  # moves on after it)
     for callback in trainer.callbacks:
         callback.on_validation_end(trainer, module)
+
+
+def run_pending_evaluation(module: Any) -> None:
+    """After a resume from a checkpoint of an evaluation round written before that round's evaluation
+    (``ModelCheckpoint(every_n_train_steps=...)`` saves after the training step, and Lightning skips the validation
+    on resume), run that evaluation and record it (:func:`record_outside_validation`)."""
+    r, evaluated = module._loaded_round, getattr(module, "_evaluated_round", None)
+    eval_every = getattr(getattr(module.trainer, "datamodule", None), "eval_every", None)
+    if r <= 0 or int(module.global_step) != r or evaluated is None or evaluated == r or not eval_every:
+        return
+    if r % int(eval_every) or not module.trainer.limit_val_batches:
+        return
+    rank_zero_info(f"[lightning_fedmeta] the checkpoint was written after round {r}, before its evaluation: "
+                   "evaluating it now")
+    record_outside_validation(module, module._evaluate("val", log=False), r)
