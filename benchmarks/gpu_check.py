@@ -90,6 +90,7 @@ class RoundTimer(Callback):
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.starts: list[float] = []  # time.perf_counter() at the start of every round
         self.losses: list[float] = []
         self._t0 = 0.0
 
@@ -102,6 +103,7 @@ class RoundTimer(Callback):
                              batch_idx: int) -> None:
         self._sync(pl_module)
         self._t0 = time.perf_counter()
+        self.starts.append(self._t0)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
