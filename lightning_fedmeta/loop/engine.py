@@ -40,6 +40,7 @@ from lightning_fedmeta.loop.client_state import (
     restore_client_store,
 )
 from lightning_fedmeta.loop.compile_policy import CompilePolicy
+from lightning_fedmeta.loop.compress import CompressionStage
 from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer
 from lightning_fedmeta.loop.ranks import RankSplit
@@ -88,6 +89,7 @@ class RoundEngine:
         self.federation = federation
         self.reliability = federation.reliability
         self.pipeline = ServerPipeline.from_reliability(self.reliability)
+        self.compression = CompressionStage(self.reliability.compression)  # model.compression (client side)
         self.client_batching = client_batching
         self.client_chunk_size = client_chunk_size
         self.compile = compile_policy or CompilePolicy(False)
@@ -129,6 +131,7 @@ class RoundEngine:
         self.algorithm.bind_clients(everyone, data.label_counts.cpu())
         if not self.client_states.tensors:
             self.client_states = build_client_store(self.algorithm, params, everyone, self.store)
+        self.compression.bind(params, k, self.store)
         if not self.server_state:
             server_state = self.algorithm.init_server_state(params)
             validate_init_server_state(self.algorithm, server_state)
@@ -153,6 +156,7 @@ class RoundEngine:
         self.device = device
         self.client_states.to(device)
         self.running.store.to(device)
+        self.compression.to(device)
         self.server_state = map_state(lambda v: v.to(device), self.server_state)
         self.gatherer.place(self.data, device)
         self.ctx = self.make_context()
@@ -214,7 +218,7 @@ class RoundEngine:
         seeds = self.loop_seeds("dropout", round_idx, local)
         self.compile.for_training()
         out, buffers = run_clients(
-            self._client_fn, (self.global_params(), self.server_state),
+            self._client_fn, (self.compression.download(self.global_params()), self.server_state),
             (batches, states, self.records(local), self.starting_buffers(local)),
             local.numel(), self.batching, self.client_chunk_size, seeds,
             label=f"{type(self.algorithm).__name__}.client_update",
@@ -224,7 +228,9 @@ class RoundEngine:
             validate_client_output(self.algorithm, out, self.global_params(), self.client_states.tensors,
                                    sampled.numel(), strict_dtypes=not torch.is_autocast_enabled(self.device.type))
             self.validated.add("client_update")
-        result = RoundResult(round_idx, sampled, out, self.federation.weights(sampled, self.device), steps, buffers)
+        out, residual = self.compression.compress(out, sampled, self.seed, round_idx, self.batching)
+        result = RoundResult(round_idx, sampled, out, self.federation.weights(sampled, self.device), steps, buffers,
+                             residual)
         self._last = result
         return result
 
@@ -270,6 +276,7 @@ class RoundEngine:
         local``)."""
         assert self.model is not None
         self.client_states.scatter(result.clients, result.output.state)
+        self.compression.commit(result.clients, result.residual)
         self.server_state = server_state
         if result.buffers:
             if self.pipeline.statistics == "mean":
@@ -373,6 +380,8 @@ class RoundEngine:
             "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
             **self.federation.state_dict(),
             **self.compile.state_dict(),
+            **({"compression_residual": self.compression.checkpoint_state(round_idx)}
+               if self.compression.keeps_residual else {}),
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -386,5 +395,6 @@ class RoundEngine:
             )
         self.federation.load_state_dict(saved)
         self.compile.load_state_dict(saved)
+        self.compression.load_state_dict(saved.get("compression_residual"), self.store)
         if self.data is not None:
             self.gatherer.reset()

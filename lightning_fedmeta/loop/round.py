@@ -28,6 +28,7 @@ class RoundResult:
         weights: ``w_i``, the participation weights renormalised over ``clients``.
         steps: ``τ_i``, the local steps each took.
         buffers: their BatchNorm running statistics after the round (``{}`` without BatchNorm).
+        residual: their new top-k residuals (``model.compression`` with error feedback), else ``None``.
     """
 
     round_idx: int
@@ -36,6 +37,7 @@ class RoundResult:
     weights: Tensor
     steps: Tensor
     buffers: dict[str, Tensor] = field(default_factory=dict)
+    residual: dict[str, Tensor] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         """``clients, output, weights = result`` (the tuple ``FederatedModule.compute_round`` always returned)."""
