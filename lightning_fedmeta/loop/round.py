@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput
+from lightning_fedmeta.communication import RoundTraffic
 from lightning_fedmeta.loop.server import sums_finite
 from lightning_fedmeta.loop.stages import PrivacyReport
 from lightning_fedmeta.state import flatten_state
@@ -47,13 +48,15 @@ class RoundResult:
 @dataclass(frozen=True)
 class RoundReport:
     """What a finished round did: its clients, their weighted training metrics, the DP report, or why it was
-    skipped (the model is then unchanged)."""
+    skipped (the model is then unchanged), and the bytes its clients downloaded and uploaded (``traffic``; ``None``
+    for a round that did not count them)."""
 
     round_idx: int
     clients: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
     privacy: PrivacyReport | None = None
     skipped: str | None = None
+    traffic: RoundTraffic | None = None
 
     @property
     def loss(self) -> Tensor | None:
