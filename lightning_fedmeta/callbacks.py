@@ -171,7 +171,7 @@ class PlotCallback(Callback):
     * ``client_{metric}_hist.png`` (``client_accuracy_hist.png`` for ``acc``): the per-client values
       of the last evaluation, the worst decile marked at the low end, or at the high end for a
       lower-is-better metric;
-    * ``fedmeta_history.json`` (version 2): ``{"version", "history": [{"round", "stage", "metrics"}],
+    * ``fedmeta_history.json`` (version 2): ``{"version", "history": [{"round", "stage", "metrics", "comm"}],
       "primary_metric", "higher_is_better", "metric_directions", "per_client": {metric: [K values]},
       "is_new_client", "client_names", "per_client_round", "algorithm"}`` (the algorithm's name, which also
       starts the curve's legend entries), plus ``"per_client_accuracy"`` (the
@@ -238,7 +238,11 @@ class PlotCallback(Callback):
             return
         r = evaluation_round(trainer, pl_module)
         self.history = [h for h in self.history if not (h["round"] == r and h["stage"] == stage)]
-        self.history.append({"round": r, "stage": stage, "metrics": metrics})
+        entry: dict[str, Any] = {"round": r, "stage": stage, "metrics": metrics}
+        traffic = getattr(getattr(pl_module, "engine", None), "traffic", None)
+        if traffic is not None:  # the run's bytes up to this evaluation (docs/communication.md)
+            entry["comm"] = traffic.cumulative()
+        self.history.append(entry)
         primary, directions = module_metrics(pl_module)
         self.primary_metric, self.metric_directions = primary, directions
         self.algorithm = module_algorithm(pl_module) or self.algorithm

@@ -73,6 +73,7 @@ __all__ = [
     "seed_text",
     "summarize_group",
     "summarize_run",
+    "uploaded_megabytes",
 ]
 
 RunSummary = dict[str, Any]
@@ -729,6 +730,9 @@ def _parser() -> argparse.ArgumentParser:
         help="whether the best value is the maximum or the minimum; default: the direction stored in the "
         "runs' history, else guessed from the name (losses and errors: min)",
     )
+    p.add_argument("--x", choices=("round", "bytes"), default="round",
+                   help="the x axis: the communication round (default) or the cumulative uploaded megabytes "
+                   "(comm/up_bytes_cumulative / 10^6, from the history files; docs/communication.md)")
     p.add_argument("--title", default=None, help="title over the plot (default: none; a paper's caption says it)")
     p.add_argument("--ylim", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"),
                    help="y-axis limits (default: the data drawn plus a margin)")
@@ -736,6 +740,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="figure size in inches (default: 6.4 4.0)")
     p.add_argument("--dpi", type=int, default=300, help="resolution of a PNG (default: 300)")
     return p
+
+
+UPLOAD_AXIS = "cumulative upload per run (MB = 10^6 bytes)"
+
+
+def uploaded_megabytes(group: Group, stage: str) -> dict[int, float]:
+    """Round -> the bytes the group's runs had uploaded by that evaluation (``comm.up_bytes_cumulative`` of the
+    history entries, in MB = 10⁶ bytes), the mean over the runs that record the round (runs differing in their
+    seeds upload the same sizes unless clients drop out).
+
+    Raises:
+        CompareError: a run whose history records no bytes (a CSV log, or a run from before byte accounting).
+    """
+    sums: dict[int, list[float]] = {}
+    for run in group.runs:
+        entries = [h for h in run.info["history"] if h.get("stage") == stage]
+        if not entries or any("comm" not in h for h in entries):
+            raise CompareError(f"--x bytes: run {run.name} records no byte counts in its {stage} history (a "
+                               "metrics.csv, or a run from before byte accounting); rerun it or compare by round")
+        for h in entries:
+            sums.setdefault(int(h["round"]), []).append(h["comm"]["comm/up_bytes_cumulative"] / 1e6)
+    return {r: sum(v) / len(v) for r, v in sums.items()}
 
 
 def output_paths(outs: Sequence[str]) -> list[Path]:
@@ -809,10 +835,13 @@ def compare_main(argv: Sequence[str] | None = None, stream: TextIO | None = None
     if args.baseline is not None:
         differences = paired_differences(groups, summaries, args.baseline, metric)
         table += "\n\n" + difference_table(differences, args.baseline, metric, higher)
+    x_of = {g.label: uploaded_megabytes(g, args.stage) for g in groups} if args.x == "bytes" else None
     figure = plot_groups({g.label: [r.info["history"] for r in g.runs] for g in groups}, stage=args.stage,
                          metric=metric, higher_is_better=higher, band=args.band, worst10=args.worst10,
-                         title=args.title, ylim=tuple(args.ylim) if args.ylim else None, size=tuple(args.size))
-    title = args.title or f"Personalised {metric_label(metric)} vs. round"
+                         title=args.title, ylim=tuple(args.ylim) if args.ylim else None, size=tuple(args.size),
+                         x_of=x_of, xlabel=UPLOAD_AXIS if x_of is not None else None)
+    against = "cumulative upload (MB)" if x_of is not None else "round"
+    title = args.title or f"Personalised {metric_label(metric)} vs. {against}"
     written = [save_figure(figure, p, dpi=args.dpi, title=title) for p in paths]
     if args.table:
         Path(args.table).parent.mkdir(parents=True, exist_ok=True)

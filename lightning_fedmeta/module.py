@@ -131,6 +131,11 @@ class FederatedModule(LightningModule):
             the choice is logged. Results are the same bit for bit. docs/scale.md.
         client_state_dir: the folder of the disk-backed state (each process uses ``rank-<r>`` in it; keep it
             with the checkpoints, which reference its segments). ``None``: ``<trainer.default_root_dir>/client_state``.
+        compression: compression of what the clients send and receive, done on the client before any server stage:
+            an upload name or ``{upload: qsgd, bits: 8, bucket_size: 512, download: float16}``; uploads ``float16``,
+            ``bfloat16``, ``qsgd`` (``bits`` 8/4/2), ``topk`` (``fraction``, error feedback: the residual is client
+            state) and ``randomk`` (``fraction``); downloads ``float16``/``bfloat16``
+            (:mod:`lightning_fedmeta.compression`, docs/communication.md).
 
     The reliability options (the last six) and the combinations refused at setup: docs/reliability.md.
     """
@@ -160,11 +165,12 @@ class FederatedModule(LightningModule):
         dp: dict[str, Any] | None = None,
         client_state: Literal["auto", "memory", "disk"] = "auto",
         client_state_dir: str | None = None,
+        compression: str | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         #: the reliability options, parsed (each error names its model.* option; docs/reliability.md)
         self.reliability = Reliability.from_options(
-            client_dropout, over_selection, local_steps_dist, aggregator, byzantine, dp
+            client_dropout, over_selection, local_steps_dist, aggregator, byzantine, dp, compression
         )
         self.automatic_optimization = False
         clients_per_round = check_options(
@@ -192,7 +198,7 @@ class FederatedModule(LightningModule):
         self.client_dropout, self.over_selection = client_dropout, over_selection
         self.local_steps_dist = local_steps_dist
         self.aggregator, self.byzantine, self.dp = aggregator, byzantine, dp
-        self.client_state = client_state
+        self.client_state, self.compression = client_state, compression
         self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
         federation = Federation(seed, clients_per_round, fraction, holdout_clients, aggregation, self.reliability)
         self.engine = RoundEngine(built, federation, client_batching, client_chunk_size, CompilePolicy(compile_clients),

@@ -415,6 +415,8 @@ def plot_groups(
     title: str | None = None,
     ylim: tuple[float, float] | None = None,
     size: tuple[float, float] = (6.4, 4.0),
+    x_of: Mapping[str, Mapping[int, float]] | None = None,
+    xlabel: str | None = None,
 ) -> Figure:
     """The paper figure of ``fedmeta compare``: per group, the mean over its runs and a band over them.
 
@@ -429,6 +431,9 @@ def plot_groups(
         title: the axes title; ``None`` for none (a paper's caption says it).
         ylim: the y-limits; ``None``: the values and bands drawn plus a margin (:func:`data_ylim`).
         size: the figure's width and height in inches.
+        x_of: label -> round -> the x value drawn there (``fedmeta compare --x bytes``: cumulative uploaded
+            megabytes); ``None``: the round.
+        xlabel: the x-axis label (default: "communication round").
 
     Returns:
         The figure (not yet saved: :func:`save_figure`).
@@ -449,13 +454,16 @@ def plot_groups(
                 continue
             n = values.shape[0]
             name = label + (f" ({n} seeds)" if n > 1 else "") + ("" if suffix == "_weighted" else f", {what}")
-            ax.plot(rounds, values.mean(axis=0), linestyle=style, color=f"C{i % 10}", label=name)
+            xs = [x_of[label][r] for r in rounds] if x_of is not None else rounds
+            ax.plot(xs, values.mean(axis=0), linestyle=style, color=f"C{i % 10}", label=name)
             drawn.extend(values.mean(axis=0))
             edges = _band(values, band)
             if edges is not None:
-                ax.fill_between(rounds, *edges, color=f"C{i % 10}", alpha=0.2, linewidth=0)
+                ax.fill_between(xs, *edges, color=f"C{i % 10}", alpha=0.2, linewidth=0)
                 drawn.extend(np.concatenate(edges))
     _draw_group_axes(ax, title, stage, metric, higher_is_better, drawn, ylim, band)
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
     return fig
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.attacks import ByzantineSpec, choose_byzantine_clients, parse_byzantine
+from lightning_fedmeta.compression import CompressionSpec, check_composition, parse_compression
 from lightning_fedmeta.participation import (
     StepBudget,
     check_dropout,
@@ -66,6 +67,7 @@ class Reliability:
         aggregator: the server's combination rule.
         byzantine: the simulated Byzantine clients and their attack (``None``: every client is honest).
         dp: client-level differential privacy (``None``: off).
+        compression: the uploads' and downloads' compression, client side (``None``: off; docs/communication.md).
     """
 
     dropout: float = 0.0
@@ -74,6 +76,7 @@ class Reliability:
     aggregator: AggregatorSpec = field(default_factory=AggregatorSpec)
     byzantine: ByzantineSpec | None = None
     dp: DPSpec | None = None
+    compression: CompressionSpec | None = None
 
     @classmethod
     def from_options(
@@ -84,6 +87,7 @@ class Reliability:
         aggregator: Any = None,
         byzantine: Any = None,
         dp: Any = None,
+        compression: Any = None,
     ) -> Reliability:
         """Parse the module's options (each error names its ``model.*`` option)."""
         return cls(
@@ -93,6 +97,7 @@ class Reliability:
             aggregator=parse_aggregator(aggregator),
             byzantine=parse_byzantine(byzantine),
             dp=parse_dp(dp),
+            compression=parse_compression(compression),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -142,6 +147,9 @@ class Reliability:
             )
         if self.byzantine is not None and self.byzantine.attack == "label_flip" and task != "classification":
             raise ValueError(f"model.byzantine.attack='label_flip' flips class labels; this data's task is {task!r}")
+        if self.compression is not None:
+            check_composition(self.compression, algorithm_name=name, uploads_delta=uploads_delta(algorithm),
+                              aggregator=self.aggregator.name)
         f = self.assumed_byzantine(num_sampled)
         if self.aggregator.needs_f and self.aggregator.f is None and self.byzantine is None:
             raise ValueError(

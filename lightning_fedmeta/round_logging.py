@@ -3,7 +3,9 @@
 Per round (on the rounds a logger writes with ``log_every_n_steps = n``, and the last): ``train/<metric>`` (the
 clients' metrics, weighted by ``w_i``), ``clients``, ``round``, under DP ``dp/clip`` and ``dp/clipped_fraction``,
 and every round ``privacy/epsilon`` with ``privacy/secure_mode`` (1: the noise was secret; 0: reproducible
-from ``model.seed``, so ε holds only against someone who does not know the seed). Per evaluation:
+from ``model.seed``, so ε holds only against someone who does not know the seed), and the round's bytes
+``comm/up_bytes``, ``comm/down_bytes`` with the run's totals ``comm/{up,down}_bytes_cumulative``
+(docs/communication.md; written to the loggers directly). Per evaluation:
 ``<stage>/<metric>_{weighted,mean,worst10}`` for the training
 clients and ``<stage>/<group>/...`` for the held-out (``new``) and honest clients.
 """
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from lightning_fedmeta.loop.round import RoundReport
 
-__all__ = ["log_round", "log_summary", "logs_round"]
+__all__ = ["log_round", "log_summary", "log_traffic", "logs_round"]
 
 _STEP = {"on_step": True, "on_epoch": False, "batch_size": 1}
 
@@ -36,6 +38,8 @@ def logs_round(trainer: Any, round_idx: int) -> bool:
 def log_round(module: Any, report: RoundReport) -> None:
     """Log a finished round through ``module.log`` (a skipped round logs ``clients = 0`` and its number)."""
     r = report.round_idx
+    if logs_round(module._trainer, r):
+        log_traffic(module, report)
     if report.skipped is not None:
         module.log("clients", 0.0, prog_bar=True, **_STEP)
         module.log("round", float(r + 1), **_STEP)
@@ -51,6 +55,18 @@ def log_round(module: Any, report: RoundReport) -> None:
         module.log("privacy/epsilon", module.epsilon_spent(r + 1), prog_bar=True, **_STEP)
         # next to ε: whether it holds against a reader of the seed (0: the noise is reproducible from model.seed)
         module.log("privacy/secure_mode", float(module.reliability.dp.secure_mode), **_STEP)
+
+
+def log_traffic(module: Any, report: RoundReport) -> None:
+    """The round's bytes and the run's cumulative bytes (``comm/*``) to every logger at the round's step. They go
+    to the loggers, not through ``module.log``: ``callback_metrics`` (checkpoint monitors, the summaries) stays as
+    it was, and byte counts keep their exact value (float64, not float32)."""
+    trainer = module._trainer
+    if report.traffic is None or trainer is None:
+        return
+    values = {k: float(v) for k, v in module.engine.traffic.logged(report.traffic).items()}
+    for logger in trainer.loggers:
+        logger.log_metrics(values, step=report.round_idx)
 
 
 def summary_metrics(stage: str, summary: dict[str, dict[str, Tensor]], sample: Tensor | None) -> dict[str, Tensor]:

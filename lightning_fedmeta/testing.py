@@ -56,6 +56,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, client_records
+from lightning_fedmeta.communication import payload_bytes, upload_of_client
 from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
 from lightning_fedmeta.execution import choose_batching, run_clients
@@ -64,7 +65,7 @@ from lightning_fedmeta.loop.server import apply_server_step
 from lightning_fedmeta.module import FederatedModule
 from lightning_fedmeta.registry import create_algorithm, load_algorithm
 from lightning_fedmeta.sampling import stable_seed
-from lightning_fedmeta.state import flatten_state, map_state
+from lightning_fedmeta.state import flatten_state, map_state, unflatten_state
 from lightning_fedmeta.validation import (
     named_leaves,
     validate_aggregate_output,
@@ -101,6 +102,7 @@ CHECKS = (
     "check_personalize_matches_evaluation",
     "check_resume_is_bit_exact",
     "check_bf16",
+    "check_exchange",
 )
 """The checks :func:`check_algorithm` runs, in this order (the names its ``skip`` argument accepts)."""
 
@@ -959,3 +961,119 @@ def check_algorithm(
             _check_resume(setup, run=run)
     if "check_bf16" not in skip:
         _check_bf16(setup)
+    if "check_exchange" not in skip:
+        _check_exchange(setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# check_exchange: download / upload declare what travels (docs/communication.md, docs/testing.md)
+# ----------------------------------------------------------------------------------------------
+def _corrupt(t: Tensor) -> Tensor:
+    """A tensor no computation may read unnoticed: NaN for floating point, ``x + 1`` for integers, ``¬x`` for bool."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.full_like(t, float("nan"))
+    return ~t if t.dtype == torch.bool else t + 1
+
+
+def _same_trees(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """``None`` when both (nested) dicts hold bit-equal tensors under the same keys, else the first difference."""
+    left, right = flatten_state(a), flatten_state(b)
+    if set(left) != set(right):
+        return f"keys {sorted(set(left) ^ set(right))} differ"
+    for k, v in left.items():
+        if v.shape != right[k].shape or v.dtype != right[k].dtype or not torch.equal(v, right[k]):
+            return f"{k!r} differs"
+    return None
+
+
+def _inputs_read(fn: Callable[[dict[str, Any]], Any], inputs: dict[str, Tensor]) -> set[str]:
+    """The flat input keys whose corruption changes ``fn``'s result (or makes it raise)."""
+    base = fn(inputs)
+    read = set()
+    for key in inputs:
+        try:
+            changed = _same_trees(base, fn({**inputs, key: _corrupt(inputs[key])})) is not None
+        except Exception:  # noqa: BLE001 - a corrupted index that breaks the function is read by it
+            changed = True
+        if changed:
+            read.add(key)
+    return read
+
+
+def _split_inputs(flat: dict[str, Tensor]) -> tuple[Params, dict[str, Any]]:
+    """``{"params/<name>", "server/<key>"}`` back to ``(params, server_state)``."""
+    params = {k[len("params/"):]: v for k, v in flat.items() if k.startswith("params/")}
+    server = unflatten_state({k[len("server/"):]: v for k, v in flat.items() if k.startswith("server/")})
+    return params, server
+
+
+def _check_download(check: _Check, module: FederatedModule, clients: Tensor, r: int) -> None:
+    """client_update reads nothing of the global parameters and server state that download does not depend on,
+    and the download's size does not depend on the client."""
+    alg, engine = module.algorithm, module.engine
+    flat = {**{f"params/{k}": v for k, v in engine.global_params().items()},
+            **{f"server/{k}": v for k, v in flatten_state(engine.server_state).items()}}
+    records = engine.records(clients)
+    one = ClientRecord(*(t[0] for t in records))
+    declared = _inputs_read(lambda x: alg.download(*_split_inputs(x), one), flat)
+    sizes = {payload_bytes(alg.download(*_split_inputs(flat), ClientRecord(*(t[i] for t in records))))
+             for i in range(clients.numel())}
+    if len(sizes) > 1:
+        check.fail(f"download's size depends on the client ({sorted(sizes)} bytes); the engine counts one size for "
+                   "every client: send the same tensors to each")
+    batches = engine.gatherer.batches("train", r, clients[:1], alg.round_plan())
+    batch = Batch(batches.x[0], batches.y[0], batches.mask[0])
+    state = map_state(lambda v: v[0], engine.client_states.gather(clients[:1]))
+
+    def run(x: dict[str, Tensor]) -> ClientOutput:
+        params, server_state = _split_inputs(x)
+        return alg.client_update(engine.ctx, params, batch, state, server_state, one)
+
+    undeclared = [k for k in flat if k not in declared]
+    corrupted = {**flat, **{k: _corrupt(flat[k]) for k in undeclared}}
+    if _same_trees(run(flat)._asdict(), run(corrupted)._asdict()) is not None:
+        culprits = sorted(_inputs_read(lambda x: run(x)._asdict(), {**corrupted, **{k: flat[k] for k in undeclared}})
+                          & set(undeclared))
+        check.fail(f"client_update reads {culprits}, which download() does not send (it depends only on "
+                   f"{sorted(declared)}): add them to download so the bytes are counted")
+
+
+def _check_upload(check: _Check, module: FederatedModule, r: int) -> None:
+    """upload returns tensors of the client's own output, and aggregate reads no output tensor it leaves out."""
+    alg, engine = module.algorithm, module.engine
+    result = engine.compute(r)
+    assert result is not None, f"round {r}: no client answered"
+    output = result.output._asdict()
+    stacked = flatten_state(output)
+    row = {k: v[0] for k, v in stacked.items()}
+    sent = flatten_state(alg.upload(upload_of_client(result.output, 0)))
+    for key, t in sent.items():
+        if key not in row or _same_trees({"t": t}, {"t": row[key]}) is not None:
+            check.fail(f"upload() returns {key!r}, which is not the client output's tensor at that path (paths "
+                       f"are delta/..., state/..., extras/..., metrics/...; found {sorted(row)})")
+    params, server_state, records = engine.global_params(), engine.server_state, engine.records(result.clients)
+
+    def aggregate(flat: dict[str, Tensor]) -> dict[str, Any]:
+        out = ClientOutput(**{f: unflatten_state({k[len(f) + 1:]: v for k, v in flat.items()
+                                                  if k.startswith(f + "/")}) for f in ClientOutput._fields})
+        delta, new_state = alg.aggregate(params, out, result.weights, server_state, records)
+        return {"delta": delta, "server_state": new_state}
+
+    left_out = [k for k in stacked if k not in sent]
+    corrupted = {**stacked, **{k: _corrupt(stacked[k]) for k in left_out}}
+    if _same_trees(aggregate(stacked), aggregate(corrupted)) is not None:
+        culprits = sorted(_inputs_read(aggregate, stacked) & set(left_out))
+        check.fail(f"aggregate reads {culprits} of the clients' outputs, which upload() does not send: add them "
+                   "to upload so the bytes are counted")
+
+
+def _check_exchange(setup: _Setup) -> None:
+    """What :meth:`~lightning_fedmeta.Algorithm.download` and :meth:`~lightning_fedmeta.Algorithm.upload`
+    declare is what client_update and aggregate read (after one round, so server and client state are not
+    fresh)."""
+    with _checking(setup, "check_exchange") as check:
+        module = setup.module()
+        module.attach_data(setup.data)
+        _plain_round(module, 0)
+        _check_download(check, module, module.engine.federation.round_clients(1), 1)
+        _check_upload(check, module, 1)

@@ -375,6 +375,29 @@ class Algorithm(ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
         return f"{type(self).__name__}({args})"
 
+    # ------------------------------------------------------------------------------------------
+    # communication (docs/communication.md)
+    # ------------------------------------------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """What one client receives at the start of a round (a possibly nested dict of tensors). Default: the
+        global parameters.
+
+        Override it when :meth:`client_update` reads more (server state such as SCAFFOLD's ``c``, cluster models)
+        or something else; ``client`` is the client's unstacked record. What is declared is counted in bytes
+        (:mod:`lightning_fedmeta.communication`); ``check_algorithm`` checks that ``client_update`` reads nothing
+        of ``params`` and ``server_state`` that the declared tensors do not depend on, and that their sizes do
+        not depend on the client."""
+        return dict(params)
+
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        """What one client sends back, as a sub-tree of ``{"delta", "state", "extras", "metrics"}`` of its own
+        (unstacked) output. Default: the delta and the extras (the state stays on the client; the metrics are for
+        logging only).
+
+        ``check_algorithm`` checks that every declared tensor is the output's tensor at that path and that
+        :meth:`aggregate` reads no output tensor that is not declared."""
+        return {"delta": output.delta, "extras": output.extras}
+
 
 def unused_args_message(cls: type[Algorithm], names: list[str]) -> str:
     """The refusal of common arguments ``cls`` does not use, each with its reason."""

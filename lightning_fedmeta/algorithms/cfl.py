@@ -210,6 +210,14 @@ class CFL(ClusteredAlgorithm):
         max_norm = float(flat[here].norm(dim=1).max())
         return mean_norm < self.eps1 and max_norm > self.eps2
 
+    # -- communication -------------------------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """w, the model of the client's cluster (2d floats) and its cluster id (int64); the upload is the
+        default: Δ_i = w_i − w, the one-hot cluster (max_clusters) and the update w_i − θ_c (2d + max_clusters)."""
+        c = self._cluster_of(client, server_state)
+        pick = one_hot(c, self.max_clusters, next(iter(params.values())).dtype)
+        return {"params": dict(params), "model": tree_weighted_sum(self.clusters(server_state), pick), "cluster": c}
+
     # -- evaluation ----------------------------------------------------------------------------
     def eval_cluster(self, losses: Tensor, server_state: dict[str, Tensor], client: ClientRecord) -> Tensor:
         """A training client's own cluster; a new client's the active cluster with the lowest loss."""

@@ -44,6 +44,8 @@ never an untouched initialisation once one has), then ``finetune_steps`` optiona
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -211,6 +213,21 @@ class IFCA(ClusteredAlgorithm):
         last_picked = last_picked.clone()
         last_picked[j] = round_idx
         return out, last_picked
+
+    # -- communication -------------------------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """w and the k cluster models (the client picks by their losses: (k + 1)·d floats), and under k-means++
+        initialisation the round counter (round 0 trains w)."""
+        out: dict[str, Any] = {"params": dict(params), CLUSTER: self.clusters(server_state)}
+        if self.init == "kmeans++":
+            out["round"] = server_state["round"]
+        return out
+
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        """Δ_i = w_i − w, the one-hot choice (k), w_i (the server averages models per cluster) and the lowest
+        cluster loss (read when an empty cluster is re-seeded): 2d + k + 1 floats."""
+        return {"delta": output.delta, "extras": output.extras,
+                "metrics": {"cluster_loss": output.metrics["cluster_loss"]}}
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval_cluster(self, losses: Tensor, server_state: dict[str, Tensor], client: ClientRecord) -> Tensor:

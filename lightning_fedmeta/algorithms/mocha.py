@@ -64,7 +64,7 @@ set each round (``BatchPlan(1, 1, None)``, full batch, in sample order).
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -444,6 +444,17 @@ class Mocha(Algorithm):
             state = self._with_sigma(state, sigma, new_sigma=True)
         mean_model = self._to_params(self._mean_task_model(state), params)
         return {name: mean_model[name].to(p.dtype) - p for name, p in params.items()}, state
+
+    # -- communication -------------------------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """The client's task model w_t = (½ M V + B)_t (C·D floats), its SDCA scale σ' M_tt / 2 and the round
+        counter (int64, seeds the coordinate order); the global parameters are not read (only their names)."""
+        w, scale = self._received_task(server_state, client.index, server_state["W"].dtype)
+        return {"task": w, "scale": scale, "round": server_state["round"]}
+
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        """Δv_t = X_tᵀΔα (C·D floats) and the local duality gap G_t (1); the zero Δ is not sent."""
+        return {"extras": output.extras}
 
     @staticmethod
     def _task_covariance(w_flat: Tensor, training: Tensor) -> Tensor:

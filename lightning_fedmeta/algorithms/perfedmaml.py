@@ -168,3 +168,9 @@ class PerFedMAML(Algorithm):
         total = new_state["total"].clamp_min(torch.finfo(new_state["total"].dtype).tiny)
         delta = {k: new_state[_SUM][k] / total - v for k, v in params.items()}
         return delta, new_state
+
+    # -- communication -------------------------------------------------------------------------
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        """The change of S, p_i (θ_i − θ_i_old) (d floats), and of P (1): the server forms θ̄ = S / P from them
+        (Δ_i is not read)."""
+        return {"extras": output.extras}

@@ -43,6 +43,7 @@ makes it refuse any other (which would break the identity).
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -336,3 +337,14 @@ class SimilarityRegularizedMTL(RegularizedMTL):
             new_state[UPDATES] = updates
             new_state[SIMILARITY] = clipped_cosine_similarity(updates) * _training_mask(server_state[WEIGHTS])
         return delta, new_state
+
+    # -- communication -------------------------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """w̄, the client's centre u_k (the server forms it from every stored model and S) and c_k = λ d_k:
+        2d + 1 floats."""
+        coef, centre = self.prox_terms(params, {}, server_state, client)
+        return {"params": dict(params), "centre": centre, "coef": torch.as_tensor(coef)}
+
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        """Δ_k = w_k_new − w_k_start and the new personal model w_k (the server's copy of every model): 2d."""
+        return {"delta": output.delta, "state": {"personal": output.state["personal"]}}

@@ -26,6 +26,8 @@ the global minimiser where FedAvg with many local steps settles elsewhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -123,3 +125,8 @@ class Scaffold(Algorithm):
             "c": {k: c[k] + tree_weighted_sum({k: outputs.extras["dc"][k]}, clients.weight)[k] for k in params}
         }
         return delta, new_state
+
+    # -- communication -------------------------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """w and the server control variate c (2d floats); the upload is the default Δy_i and Δc_i (2d)."""
+        return {"params": dict(params), "c": dict(server_state["c"])}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
 from lightning_fedmeta.attacks import flip_labels
+from lightning_fedmeta.communication import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.dp_draws import DPDraws, SecretDraws
 from lightning_fedmeta.execution import choose_batching, run_clients
@@ -40,6 +42,7 @@ from lightning_fedmeta.loop.client_state import (
     restore_client_store,
 )
 from lightning_fedmeta.loop.compile_policy import CompilePolicy
+from lightning_fedmeta.loop.compress import CompressionStage
 from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer
 from lightning_fedmeta.loop.ranks import RankSplit
@@ -88,6 +91,7 @@ class RoundEngine:
         self.federation = federation
         self.reliability = federation.reliability
         self.pipeline = ServerPipeline.from_reliability(self.reliability)
+        self.compression = CompressionStage(self.reliability.compression)  # model.compression (client side)
         self.client_batching = client_batching
         self.client_chunk_size = client_chunk_size
         self.compile = compile_policy or CompilePolicy(False)
@@ -103,6 +107,8 @@ class RoundEngine:
         self.validated: set[str] = set()  # outputs validated on the first round with this data
         self.draws: DPDraws | None = None  # DP's secret draws (model.dp.secure_mode), set when a fit starts
         self._last: RoundResult | None = None  # for the (clients, output, weights) form of compute / commit
+        self.codec: Codec = PlainCodec()  # how the exchanged tensors are encoded (bytes counted per round)
+        self.traffic = TrafficCounter()  # cumulative bytes, checkpointed
 
     @property
     def seed(self) -> int:
@@ -129,6 +135,7 @@ class RoundEngine:
         self.algorithm.bind_clients(everyone, data.label_counts.cpu())
         if not self.client_states.tensors:
             self.client_states = build_client_store(self.algorithm, params, everyone, self.store)
+        self.compression.bind(params, k, self.store)
         if not self.server_state:
             server_state = self.algorithm.init_server_state(params)
             validate_init_server_state(self.algorithm, server_state)
@@ -153,6 +160,7 @@ class RoundEngine:
         self.device = device
         self.client_states.to(device)
         self.running.store.to(device)
+        self.compression.to(device)
         self.server_state = map_state(lambda v: v.to(device), self.server_state)
         self.gatherer.place(self.data, device)
         self.ctx = self.make_context()
@@ -214,7 +222,7 @@ class RoundEngine:
         seeds = self.loop_seeds("dropout", round_idx, local)
         self.compile.for_training()
         out, buffers = run_clients(
-            self._client_fn, (self.global_params(), self.server_state),
+            self._client_fn, (self.compression.download(self.global_params()), self.server_state),
             (batches, states, self.records(local), self.starting_buffers(local)),
             local.numel(), self.batching, self.client_chunk_size, seeds,
             label=f"{type(self.algorithm).__name__}.client_update",
@@ -224,7 +232,9 @@ class RoundEngine:
             validate_client_output(self.algorithm, out, self.global_params(), self.client_states.tensors,
                                    sampled.numel(), strict_dtypes=not torch.is_autocast_enabled(self.device.type))
             self.validated.add("client_update")
-        result = RoundResult(round_idx, sampled, out, self.federation.weights(sampled, self.device), steps, buffers)
+        out, residual = self.compression.compress(out, sampled, self.seed, round_idx, self.batching)
+        result = RoundResult(round_idx, sampled, out, self.federation.weights(sampled, self.device), steps, buffers,
+                             residual)
         self._last = result
         return result
 
@@ -270,6 +280,7 @@ class RoundEngine:
         local``)."""
         assert self.model is not None
         self.client_states.scatter(result.clients, result.output.state)
+        self.compression.commit(result.clients, result.residual)
         self.server_state = server_state
         if result.buffers:
             if self.pipeline.statistics == "mean":
@@ -298,18 +309,20 @@ class RoundEngine:
         deciding = self.compile.deciding(self.batching)
         started = time.perf_counter()
         result = self.compute(round_idx)
+        traffic = self.count_traffic(round_idx, result)
         if result is None and self.reliability.dp is not None:
-            return self._noise_only(round_idx, optimizer, clip)
+            return replace(self._noise_only(round_idx, optimizer, clip), traffic=traffic)
         if result is None:
-            return self._skip(round_idx, optimizer, "no sampled client answered (client_dropout)")
+            return replace(self._skip(round_idx, optimizer, "no sampled client answered (client_dropout)"),
+                           traffic=traffic)
         if deciding:
             self.compile.observe(rounds_left, time.perf_counter() - started, broadcast)
         check_outputs_finite(result, self.data.client_names, self.algorithm)
         uploads = self.combine(result, math.inf if clip is None else float(clip))
         if uploads is None:
             rule, f = self.reliability.aggregator, self.reliability.assumed_byzantine(self.federation.num_sampled)
-            return self._skip(round_idx, optimizer, f"only {result.clients.numel()} clients answered, too few for "
-                              f"model.aggregator {rule.name!r} with f={f}")
+            return replace(self._skip(round_idx, optimizer, f"only {result.clients.numel()} clients answered, too "
+                                      f"few for model.aggregator {rule.name!r} with f={f}"), traffic=traffic)
         assert uploads.update is not None
         check_update_finite(round_idx, uploads.update.delta)
         apply_server_step(optimizer, self.model, uploads.update.delta)
@@ -317,7 +330,21 @@ class RoundEngine:
         if clip is not None and uploads.privacy is not None and uploads.privacy.next_clip is not None:
             clip.fill_(uploads.privacy.next_clip)  # adaptive clipping: C for the next round
         return RoundReport(round_idx, result.clients, weighted_mean_metrics(result.output.metrics, result.weights),
-                           uploads.privacy)
+                           uploads.privacy, traffic=traffic)
+
+    def count_traffic(self, round_idx: int, result: RoundResult | None) -> RoundTraffic:
+        """The round's bytes (docs/communication.md), added to the cumulative sums: every candidate of the round
+        downloads :meth:`~lightning_fedmeta.algorithms.base.Algorithm.download`; the clients that answered (those
+        in ``result``) upload :meth:`~lightning_fedmeta.algorithms.base.Algorithm.upload`. Call it before the
+        server step (the download is the round's starting model)."""
+        candidates = self.federation.round_candidates(round_idx)
+        answered = torch.isin(candidates, result.clients.cpu()) if result is not None else \
+            torch.zeros(candidates.numel(), dtype=torch.bool)
+        first = ClientRecord(*(t[0] for t in self.records(candidates[:1]))) if candidates.numel() else None
+        traffic = round_traffic(self.algorithm, self.global_params(), self.server_state, first, candidates, answered,
+                                None if result is None else result.output, self.codec)
+        self.traffic.add(traffic)
+        return traffic
 
     def _noise_only(self, round_idx: int, optimizer: Any, clip: Tensor | None) -> RoundReport:
         """A DP round no client answered: the mechanism still releases its noise, ``Δ = (σC/m) ξ`` (an empty sum
@@ -373,6 +400,9 @@ class RoundEngine:
             "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
             **self.federation.state_dict(),
             **self.compile.state_dict(),
+            **({"compression_residual": self.compression.checkpoint_state(round_idx)}
+               if self.compression.keeps_residual else {}),
+            "traffic": self.traffic.state_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -386,5 +416,7 @@ class RoundEngine:
             )
         self.federation.load_state_dict(saved)
         self.compile.load_state_dict(saved)
+        self.compression.load_state_dict(saved.get("compression_residual"), self.store)
+        self.traffic.load_state_dict(saved.get("traffic"))
         if self.data is not None:
             self.gatherer.reset()

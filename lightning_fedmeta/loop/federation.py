@@ -111,22 +111,29 @@ class Federation:
         candidate independently with probability ``q = m / |E|`` (the cohort's size varies; none is dropped for
         being beyond ``m``), and with ``cohort_draws`` set (``model.dp.secure_mode``) the uniforms come from the
         secret stream instead of the seed."""
+        candidates = self.round_candidates(round_idx)
         dp = self.reliability.dp
         if dp is None:
-            candidates = sample_clients(self.seed, round_idx, self.eligible, self.num_candidates)
             return answering_clients(self.seed, round_idx, candidates, self.reliability.dropout, self.num_sampled)
+        keep = int(self.eligible.numel()) if dp.sampling == "poisson" else self.num_sampled
+        return answering_clients(self.seed, self.round_offset + round_idx, candidates, self.reliability.dropout, keep)
+
+    def round_candidates(self, round_idx: int) -> Tensor:
+        """The clients sent the model in round ``round_idx`` (sorted): the ``⌈(1 + f)·m⌉`` sampled candidates (under
+        ``model.dp``: the release's draw, Poisson or secret as :meth:`round_clients` says), before dropout and
+        before the late ones are cut; :meth:`round_clients` is the subset that answers."""
+        dp = self.reliability.dp
+        if dp is None:
+            return sample_clients(self.seed, round_idx, self.eligible, self.num_candidates)
         release = self.round_offset + round_idx
         n = int(self.eligible.numel())
         if dp.sampling == "poisson":
             draws = self.cohort_draws or SeededDraws(self.seed)
-            candidates = self.eligible[draws.uniform(n, "poisson-clients", release) < self.num_sampled / n]
-            return answering_clients(self.seed, release, candidates, self.reliability.dropout, n)
+            return self.eligible[draws.uniform(n, "poisson-clients", release) < self.num_sampled / n]
         if self.cohort_draws is not None:
             order = torch.argsort(self.cohort_draws.uniform(n, "clients", release))
-            candidates = self.eligible[order[: self.num_candidates]].sort().values
-        else:
-            candidates = sample_clients(self.seed, release, self.eligible, self.num_candidates)
-        return answering_clients(self.seed, release, candidates, self.reliability.dropout, self.num_sampled)
+            return self.eligible[order[: self.num_candidates]].sort().values
+        return sample_clients(self.seed, release, self.eligible, self.num_candidates)
 
     def expected_answers(self) -> float:
         """``m̂``: the expected number of a round's clients that answer (``m`` without dropout; ``q·|E|·(1 − p)``

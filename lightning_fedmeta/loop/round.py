@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput
+from lightning_fedmeta.communication import RoundTraffic
 from lightning_fedmeta.loop.server import sums_finite
 from lightning_fedmeta.loop.stages import PrivacyReport
 from lightning_fedmeta.state import flatten_state
@@ -28,6 +29,7 @@ class RoundResult:
         weights: ``w_i``, the participation weights renormalised over ``clients``.
         steps: ``τ_i``, the local steps each took.
         buffers: their BatchNorm running statistics after the round (``{}`` without BatchNorm).
+        residual: their new top-k residuals (``model.compression`` with error feedback), else ``None``.
     """
 
     round_idx: int
@@ -36,6 +38,7 @@ class RoundResult:
     weights: Tensor
     steps: Tensor
     buffers: dict[str, Tensor] = field(default_factory=dict)
+    residual: dict[str, Tensor] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         """``clients, output, weights = result`` (the tuple ``FederatedModule.compute_round`` always returned)."""
@@ -45,13 +48,15 @@ class RoundResult:
 @dataclass(frozen=True)
 class RoundReport:
     """What a finished round did: its clients, their weighted training metrics, the DP report, or why it was
-    skipped (the model is then unchanged)."""
+    skipped (the model is then unchanged), and the bytes its clients downloaded and uploaded (``traffic``; ``None``
+    for a round that did not count them)."""
 
     round_idx: int
     clients: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
     privacy: PrivacyReport | None = None
     skipped: str | None = None
+    traffic: RoundTraffic | None = None
 
     @property
     def loss(self) -> Tensor | None:

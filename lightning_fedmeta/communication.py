@@ -1,0 +1,150 @@
+"""Communication accounting: the bytes each client downloads and uploads in a round (docs/communication.md).
+
+An algorithm declares what travels (:meth:`~lightning_fedmeta.algorithms.base.Algorithm.download`: what one client
+receives at the start of a round; :meth:`~lightning_fedmeta.algorithms.base.Algorithm.upload`: what one client sends
+back), and a :class:`Codec` says how many bytes a tensor takes on the wire. For round ``r`` with candidates ``C_r``
+(the clients sent the round's model, dropped ones included) and answering clients ``S_r ⊆ C_r``:
+
+    down_i = Σ_{t ∈ download(w, σ, i)} codec.encoded_bytes(numel(t), dtype(t))      for i ∈ C_r
+    up_i   = Σ_{t ∈ upload(out_i)}     codec.encoded_bytes(numel(t), dtype(t))      for i ∈ S_r, 0 for i ∈ C_r \\ S_r
+
+With :class:`PlainCodec` a tensor costs ``numel · itemsize`` bytes (its raw payload; framing is not counted).
+:class:`TrafficCounter` keeps the run's cumulative sums in the engine's checkpointed state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from lightning_fedmeta.state import flatten_state
+
+__all__ = [
+    "Codec",
+    "PlainCodec",
+    "RoundTraffic",
+    "TrafficCounter",
+    "payload_bytes",
+    "round_traffic",
+    "upload_of_client",
+]
+
+UP, DOWN = "comm/up_bytes", "comm/down_bytes"
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """How a tensor travels: ``encoded_bytes(numel, dtype)`` is the size of its encoding in bytes."""
+
+    name: str
+
+    def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int: ...
+
+
+class PlainCodec:
+    """No compression: a tensor of ``numel`` elements of ``dtype`` takes ``numel · itemsize`` bytes."""
+
+    name = "plain"
+
+    def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return int(numel) * _itemsize(dtype)
+
+    def __repr__(self) -> str:
+        return "PlainCodec()"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (``torch.bool``: 1)."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def payload_bytes(tensors: Mapping[str, Any], codec: Codec | None = None, per_client: bool = False) -> int | Tensor:
+    """``Σ_t codec.encoded_bytes(numel(t), dtype(t))`` over the (possibly nested) ``tensors``.
+
+    With ``per_client=True`` every tensor is stacked ``[n, ...]`` (one row per client) and the result is an int64
+    tensor ``[n]``: each client's bytes (rows have equal sizes, so every entry is the same)."""
+    codec = codec or PlainCodec()
+    leaves = flatten_state(tensors)
+    if not per_client:
+        return sum(codec.encoded_bytes(t.numel(), t.dtype) for t in leaves.values())
+    sizes = {t.shape[0] for t in leaves.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"per_client=True needs every tensor stacked over the same clients, got leading sizes "
+                         f"{sorted(sizes)}")
+    n = sizes.pop() if sizes else 0
+    one = sum(codec.encoded_bytes(t[0].numel() if n else 0, t.dtype) for t in leaves.values())
+    return torch.full((n,), one, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class RoundTraffic:
+    """The bytes each of a round's candidate clients downloaded and uploaded (int64 ``[n]``; 0 up for a client
+    that dropped out)."""
+
+    up_bytes: Tensor
+    down_bytes: Tensor
+
+    def totals(self) -> dict[str, int]:
+        """``{"comm/up_bytes": Σ_i up_i, "comm/down_bytes": Σ_i down_i}``."""
+        return {UP: int(self.up_bytes.sum()), DOWN: int(self.down_bytes.sum())}
+
+
+def upload_of_client(output: Any, i: int) -> Any:
+    """Client ``i``'s row of a stacked :class:`~lightning_fedmeta.algorithms.base.ClientOutput`."""
+    return type(output)(*(_row(field, i) for field in output))
+
+
+def _row(tree: Mapping[str, Any], i: int) -> dict[str, Any]:
+    return {k: _row(v, i) if isinstance(v, Mapping) else v[i] for k, v in tree.items()}
+
+
+def round_traffic(algorithm: Any, params: Mapping[str, Tensor], server_state: Mapping[str, Any], first: Any,
+                  candidates: Tensor, answered: Tensor, output: Any | None, codec: Codec | None = None) -> RoundTraffic:
+    """A round's :class:`RoundTraffic`: every candidate downloads ``download(params, server_state, first)`` (its
+    size does not depend on the client: :func:`~lightning_fedmeta.testing.check_algorithm` checks it), and every
+    candidate in ``answered`` uploads ``upload`` of its row of the stacked ``output`` (``None``: nobody answered).
+
+    ``first`` is one candidate's (unstacked) record; ``answered`` is a bool ``[n]`` mask over ``candidates``."""
+    n = int(candidates.numel())
+    down_one = payload_bytes(algorithm.download(params, server_state, first), codec) if n else 0
+    up_one = payload_bytes(algorithm.upload(upload_of_client(output, 0)), codec) if output is not None else 0
+    down = torch.full((n,), int(down_one), dtype=torch.int64)
+    up = answered.cpu().to(torch.int64) * int(up_one)
+    return RoundTraffic(up_bytes=up, down_bytes=down)
+
+
+class TrafficCounter:
+    """The run's cumulative bytes (``comm/up_bytes_cumulative``, ``comm/down_bytes_cumulative``) and the last
+    round's :class:`RoundTraffic`; its ``state_dict`` goes into the engine's checkpointed state, so the sums
+    continue after a resume."""
+
+    def __init__(self) -> None:
+        self.up = 0
+        self.down = 0
+        self.last: RoundTraffic | None = None
+
+    def add(self, traffic: RoundTraffic) -> None:
+        totals = traffic.totals()
+        self.up += totals[UP]
+        self.down += totals[DOWN]
+        self.last = traffic
+
+    def logged(self, traffic: RoundTraffic) -> dict[str, int]:
+        """The round's sums and the cumulative sums after it, by logged name."""
+        return {**traffic.totals(), f"{UP}_cumulative": self.up, f"{DOWN}_cumulative": self.down}
+
+    def cumulative(self) -> dict[str, int]:
+        return {f"{UP}_cumulative": self.up, f"{DOWN}_cumulative": self.down}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"up_bytes": self.up, "down_bytes": self.down}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore the sums (a checkpoint from before byte accounting restarts them at 0)."""
+        state = state or {}
+        self.up, self.down = int(state.get("up_bytes", 0)), int(state.get("down_bytes", 0))
+        self.last = None

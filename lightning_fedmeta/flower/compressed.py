@@ -1,0 +1,89 @@
+"""A compressed upload as a Flower message: what a ClientApp sends in place of its float32 ``delta`` record.
+
+The record carries the compressed representation itself, so the bytes on the wire shrink:
+
+* ``float16``/``bfloat16``: the row in 16 bits (``half``; bfloat16 as its int16 bit pattern);
+* ``qsgd``: the signed levels ``sgn(v_i) ξ_i + s`` packed ``bits`` wide into ``uint8`` (``codes``) and one
+  float32 norm per bucket (``norms``);
+* ``topk``/``randomk``: the ``k`` float32 values in index order and either ``k`` int32 ``indices`` or a
+  ``⌈d/8⌉``-byte ``bitmap`` of the kept coordinates, whichever is smaller.
+
+The arrays' payload is exactly :meth:`~lightning_fedmeta.compression.Compressor.encoded_bytes` of the row (the
+record adds Flower's framing), and :func:`decode_upload` gives the row :meth:`Compressor.roundtrip` gives in
+simulation, bit for bit, for the same uniforms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from torch import Tensor
+
+from lightning_fedmeta.compression import QSGD, Compressor, HalfPrecision, RandomK, TopK
+
+__all__ = ["encode_upload", "decode_upload", "payload_bytes_of"]
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """Unsigned ``bits``-wide codes (``bits`` in 2, 4, 8) packed little-end first into ``uint8``."""
+    per = 8 // bits
+    padded = torch.nn.functional.pad(codes.to(torch.int32), (0, (-codes.numel()) % per)).reshape(-1, per)
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    return (padded << shifts).sum(1).to(torch.uint8)
+
+
+def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+
+
+def encode_upload(compressor: Compressor, row: Tensor, noise: Tensor | None = None) -> ArrayRecord:
+    """One client's flat upload row (after error feedback, for top-k: ``v + e``) as the record it sends."""
+    row = row.detach().cpu().to(torch.float32)
+    if isinstance(compressor, HalfPrecision):
+        half = row.to(compressor.dtype)  # bfloat16 travels as its bits (numpy has no bfloat16)
+        return ArrayRecord(torch_state_dict={"half": half.view(torch.int16) if half.dtype == torch.bfloat16 else half})
+    if isinstance(compressor, QSGD):
+        assert noise is not None
+        signed, norms = compressor.encode(row, noise)
+        codes = _pack(signed.to(torch.int32) + compressor.levels, compressor.bits)
+        return ArrayRecord(torch_state_dict={"codes": codes, "norms": norms})
+    values, index = compressor.encode(row) if isinstance(compressor, TopK) else compressor.encode(row, noise)
+    order = index.argsort()
+    values, index = values[order].contiguous(), index[order].to(torch.int32)
+    if math.ceil(row.numel() / 8) < 4 * index.numel():
+        mask = np.zeros(row.numel(), dtype=bool)
+        mask[index.numpy()] = True
+        return ArrayRecord(torch_state_dict={"values": values, "bitmap": torch.from_numpy(np.packbits(mask))})
+    return ArrayRecord(torch_state_dict={"values": values, "indices": index})
+
+
+def decode_upload(compressor: Compressor, record: ArrayRecord, numel: int) -> Tensor:
+    """The server's float32 row from a record :func:`encode_upload` wrote (``ValueError`` for a malformed one)."""
+    arrays = record.to_torch_state_dict()
+    if isinstance(compressor, HalfPrecision):
+        half = arrays["half"]
+        return (half.view(torch.bfloat16) if compressor.dtype == torch.bfloat16 else half).to(torch.float32)
+    if isinstance(compressor, QSGD):
+        signed = _unpack(arrays["codes"], compressor.bits, numel) - compressor.levels
+        return compressor.decode(signed.to(torch.int8), arrays["norms"])
+    if not isinstance(compressor, TopK | RandomK):
+        raise ValueError(f"no wire format for {type(compressor).__name__}")
+    values = arrays["values"]
+    if "bitmap" in arrays:
+        bits = np.unpackbits(arrays["bitmap"].numpy())[:numel].astype(bool)
+        index = torch.from_numpy(np.flatnonzero(bits))
+    else:
+        index = arrays["indices"].to(torch.int64)
+    if index.numel() != values.numel() or (index.numel() and int(index.max()) >= numel):
+        raise ValueError(f"a sparse upload of {values.numel()} values has {index.numel()} indices for d = {numel}")
+    return torch.zeros(numel, dtype=torch.float32).scatter(0, index, values)
+
+
+def payload_bytes_of(record: ArrayRecord) -> int:
+    """Bytes of the arrays a record carries (without Flower's framing)."""
+    return sum(t.numel() * t.element_size() for t in record.to_torch_state_dict().values())

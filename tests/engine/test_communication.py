@@ -1,0 +1,203 @@
+"""Byte accounting (issue 28, docs/communication.md): each built-in algorithm's bytes per round against a hand
+count on a small model, dropped clients, the cumulative sums across a resume, and check_algorithm's exchange
+check against algorithms that declare too little."""
+
+from __future__ import annotations
+
+import warnings
+from importlib.util import find_spec
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.algorithms.base import ClientOutput
+from lightning_fedmeta.algorithms.perfedmaml import PerFedMAML
+from lightning_fedmeta.algorithms.scaffold import Scaffold
+from lightning_fedmeta.communication import PlainCodec, RoundTraffic, payload_bytes
+from lightning_fedmeta.data.federated import from_client_tensors
+from lightning_fedmeta.registry import create_algorithm, list_algorithms
+from lightning_fedmeta.testing import CHECKS, check_algorithm, tiny_clients, tiny_mlp
+
+F, H, C = 5, 8, 3  # the kit's MLP: Linear(5, 8) -> Tanh -> Linear(8, 3)
+D = (F * H + H) + (H * C + C)  # d = 75 floats
+FLOAT, LONG = 4, 8  # float32 and int64 bytes
+MOCHA_D = C * (F + 1)  # MOCHA's linear model: one row of F weights and a bias per class
+
+# (algorithm, arguments) -> (bytes down, bytes up) per client and round, counted by hand from the exchange
+HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
+    "fedavg": ({}, FLOAT * D, FLOAT * D),
+    "fedprox": ({"mu": 0.1}, FLOAT * D, FLOAT * D),
+    "reptile": ({}, FLOAT * D, FLOAT * D),
+    "perfedavg": ({"variant": "hf"}, FLOAT * D, FLOAT * D),
+    "fedmaml": ({"alpha": 0.1}, FLOAT * D, FLOAT * D),
+    "ditto": ({}, FLOAT * D, FLOAT * D),
+    "fedrep": ({}, FLOAT * D, FLOAT * D),
+    "fedper": ({}, FLOAT * D, FLOAT * D),
+    "mtl_mean": ({}, FLOAT * D, FLOAT * D),
+    # w and c down; Δy and Δc up
+    "scaffold": ({}, FLOAT * 2 * D, FLOAT * 2 * D),
+    # w and k = 2 cluster models and the round counter down; Δ, one-hot choice, w_i and the lowest loss up
+    "ifca": ({"num_clusters": 2}, FLOAT * (D + 2 * D) + LONG, FLOAT * (2 * D + 2 + 1)),
+    "ifca_perturb": ({"name": "ifca", "num_clusters": 3, "init": "perturb"}, FLOAT * (D + 3 * D),
+                     FLOAT * (2 * D + 3 + 1)),
+    # w, the own cluster's model and its id down; Δ, the one-hot cluster (max_clusters = 4) and the update up
+    "cfl": ({"max_clusters": 4}, FLOAT * 2 * D + LONG, FLOAT * (2 * D + 4)),
+    # w down; the change of S (d) and of P (1) up
+    "perfedmaml": ({}, FLOAT * D, FLOAT * (D + 1)),
+    # w̄, the centre u_k and c_k down; Δ_k and the personal model up
+    "mtl_pairwise": ({}, FLOAT * (2 * D + 1), FLOAT * 2 * D),
+    "mtl_graph": ({"knn": 2}, FLOAT * (2 * D + 1), FLOAT * 2 * D),
+    # the task model, the SDCA scale and the round counter down; Δv and the local gap up
+    "mocha": ({}, FLOAT * (MOCHA_D + 1) + LONG, FLOAT * (MOCHA_D + 1)),
+}
+
+
+def _data() -> Any:
+    ds = tiny_clients()
+    return from_client_tensors(ds.client_data(), ds.num_classes)
+
+
+def _module(name: str, args: dict[str, Any], **options: Any) -> FederatedModule:
+    data = _data()
+    algorithm = create_algorithm(name, **args)
+    model = type(algorithm).example_model(tuple(data.input_shape), int(data.num_classes)) or tiny_mlp(F, C, H)
+    module = FederatedModule(model=model, algorithm=algorithm, seed=0, **{"clients_per_round": 3, **options})
+    module.attach_data(data)
+    return module
+
+
+def _rounds(module: FederatedModule, first: int, last: int) -> list[RoundTraffic]:
+    optimizer = torch.optim.SGD(module.model.parameters(), lr=1.0)
+    out = []
+    for r in range(first, last):
+        traffic = module.engine.run_round(r, optimizer).traffic
+        assert traffic is not None
+        out.append(traffic)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _builtins() -> set[str]:
+    """The registered algorithms of this package whose module exists (entry points may precede their code)."""
+    names = set()
+    for entry in list_algorithms():
+        if entry.distribution == "lightning-fedmeta" and find_spec(entry.value.split(":")[0]) is not None:
+            names.add(entry.name)
+    return names
+
+
+def test_hand_counts_cover_every_builtin_algorithm() -> None:
+    counted = {spec.get("name", label) for label, (spec, _, _) in HAND_COUNTS.items()}
+    assert _builtins() - counted == set(), "add a hand count (docs/communication.md's table) for these"
+
+
+@pytest.mark.parametrize("label", sorted(HAND_COUNTS))
+def test_bytes_per_round_equal_the_hand_count(label: str) -> None:
+    spec, down, up = HAND_COUNTS[label]
+    args = dict(spec)
+    name = args.pop("name", label)
+    module = _module(name, args)
+    for traffic in _rounds(module, 0, 2):  # round 0 and a round from trained state
+        assert traffic.down_bytes.dtype == torch.int64
+        assert traffic.down_bytes.tolist() == [down] * 3
+        assert traffic.up_bytes.tolist() == [up] * 3
+        assert traffic.totals() == {"comm/up_bytes": 3 * up, "comm/down_bytes": 3 * down}
+    assert module.engine.traffic.cumulative() == {"comm/up_bytes_cumulative": 6 * up,
+                                                  "comm/down_bytes_cumulative": 6 * down}
+
+
+def test_dropped_clients_download_but_do_not_upload() -> None:
+    module = _module("fedavg", {}, client_dropout=0.5, over_selection=0.5, clients_per_round=2)
+    federation = module.engine.federation
+    dropped_somewhere = False
+    for r, traffic in enumerate(_rounds(module, 0, 6)):
+        candidates, answered = federation.round_candidates(r), federation.round_clients(r)
+        dropped_somewhere |= answered.numel() < candidates.numel()
+        assert traffic.down_bytes.tolist() == [FLOAT * D] * candidates.numel()  # ⌈1.5 · 2⌉ = 3 candidates
+        assert traffic.up_bytes.tolist() == [FLOAT * D * int(c in answered.tolist()) for c in candidates.tolist()]
+    assert dropped_somewhere
+
+
+def test_cumulative_bytes_survive_a_resume() -> None:
+    straight = _module("scaffold", {})
+    _rounds(straight, 0, 4)
+    first = _module("scaffold", {})
+    _rounds(first, 0, 2)
+    saved = first.engine.state_dict(2)
+    assert saved["traffic"] == {"up_bytes": 2 * 3 * FLOAT * 2 * D, "down_bytes": 2 * 3 * FLOAT * 2 * D}
+    resumed = _module("scaffold", {})
+    resumed.engine.load_state_dict(saved)
+    _rounds(resumed, 2, 4)
+    assert resumed.engine.traffic.cumulative() == straight.engine.traffic.cumulative()
+    assert straight.engine.traffic.cumulative()["comm/up_bytes_cumulative"] == 4 * 3 * FLOAT * 2 * D
+    resumed.engine.load_state_dict({**saved, "traffic": None})  # a checkpoint from before byte accounting
+    assert resumed.engine.traffic.cumulative()["comm/up_bytes_cumulative"] == 0
+
+
+def test_payload_bytes_by_dtype_and_per_client() -> None:
+    tensors = {"a": torch.zeros(3, 4, dtype=torch.float16), "b": {"c": torch.zeros(3, 2, dtype=torch.int64)},
+               "d": torch.zeros(3, dtype=torch.bool)}
+    assert payload_bytes(tensors) == 12 * 2 + 6 * 8 + 3 * 1
+    assert payload_bytes(tensors, PlainCodec(), per_client=True).tolist() == [4 * 2 + 2 * 8 + 1] * 3
+    with pytest.raises(ValueError, match="same clients"):
+        payload_bytes({"a": torch.zeros(2, 1), "b": torch.zeros(3, 1)}, per_client=True)
+
+
+class _ScaffoldWithoutC(Scaffold):
+    """Declares the default download (w alone) but its client_update reads c."""
+
+    def download(self, params: Any, server_state: Any, client: Any) -> dict[str, Any]:
+        return dict(params)
+
+
+class _PerFedMAMLSendingDelta(PerFedMAML):
+    """Declares the default upload (Δ) but its aggregate reads the extras (the change of S and P)."""
+
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        return {"delta": output.delta}
+
+
+class _ScaffoldInventingATensor(Scaffold):
+    """Uploads a tensor that is not in its output."""
+
+    def upload(self, output: ClientOutput) -> dict[str, Any]:
+        return {"delta": output.delta, "extras": {"dc": {k: v + 1 for k, v in output.extras["dc"].items()}}}
+
+
+ONLY_EXCHANGE = [c for c in CHECKS if c != "check_exchange"]
+
+
+@pytest.mark.parametrize(("cls", "message"), [
+    (_ScaffoldWithoutC, r"client_update reads \['server/c/"),
+    (_PerFedMAMLSendingDelta, r"aggregate reads \['extras/"),
+    (_ScaffoldInventingATensor, r"upload\(\) returns 'extras/dc/"),
+])
+def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, message: str) -> None:
+    with pytest.raises(AssertionError, match=f"check_exchange: {message}"):
+        check_algorithm(cls, skip=ONLY_EXCHANGE)
+
+
+def test_check_exchange_passes_the_builtins_it_covers() -> None:
+    for name in ("scaffold", "cfl", "mocha"):
+        check_algorithm(name, skip=ONLY_EXCHANGE)
+
+
+def test_engine_bytes_follow_the_codec() -> None:
+    class HalfCodec:
+        name = "half"
+
+        def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int:
+            return 2 * numel
+
+    module = _module("fedavg", {})
+    module.engine.codec = HalfCodec()
+    (traffic,) = _rounds(module, 0, 1)
+    assert traffic.up_bytes.tolist() == [2 * D] * 3 and traffic.down_bytes.tolist() == [2 * D] * 3
