@@ -513,7 +513,7 @@ def _check_split_options(
                          "class_path: flwr_datasets.partitioner.IidPartitioner), and data.partitioner needs "
                          f"partition: flower; got partition={partition!r}, partitioner={type(partitioner).__name__}")
     for attr in ("num_partitions", "load_partition"):
-        if partitioner is not None and not hasattr(partitioner, attr):
+        if partitioner is not None and not (hasattr(type(partitioner), attr) or hasattr(partitioner, attr)):
             raise ValueError(f"data.partitioner {type(partitioner).__name__} has no {attr!r}: it must follow "
                              "flwr_datasets.partitioner.Partitioner")
 

@@ -283,7 +283,7 @@ def flower_partition(partitioner: Any, labels: Tensor | Sequence[int] | np.ndarr
     """
     y = _labels(labels)
     for attr in ("num_partitions", "load_partition"):
-        if not hasattr(partitioner, attr):
+        if not hasattr(type(partitioner), attr) and not hasattr(partitioner, attr):
             raise ValueError(f"{type(partitioner).__name__} is not a Flower Datasets partitioner: it has no "
                              f"{attr!r} (expected flwr_datasets.partitioner.Partitioner's API)")
     columns = {label_column: y.tolist(), "row": list(range(y.size))}
