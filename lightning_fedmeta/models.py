@@ -38,7 +38,13 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_fedmeta.vision_models import FEMNISTCNN, FedAvgCNN, LeNet5, ResNet18
+
 __all__ = [
+    "FEMNISTCNN",
+    "FedAvgCNN",
+    "LeNet5",
+    "ResNet18",
     "MLP",
     "LogisticRegression",
     "SmallCNN",
