@@ -183,3 +183,20 @@ def test_leaf_malformed_file_names_the_file(tmp_path):
 def test_new_dataset_names_report_their_classes():
     for name, n in (("emnist_byclass", 62), ("emnist_letters", 26), ("tiny_imagenet", 200), ("cifar100", 100)):
         assert FederatedDataModule(dataset=name, root="/nonexistent").num_classes == n
+
+
+@pytest.mark.parametrize("config", sorted((Path(__file__).parents[2] / "configs" / "datasets").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_dataset_config_parses_with_print_config(config, capsys):
+    import yaml
+
+    from lightning_fedmeta.cli import run
+
+    with pytest.raises(SystemExit) as info:
+        run(["fit", "--config", str(config), "--print_config"])
+    assert info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    written = yaml.safe_load(config.read_text(encoding="utf-8"))
+    assert printed["data"]["dataset"] == written["data"]["dataset"]
+    assert printed["model"]["model"]["class_path"] == written["model"]["model"]["class_path"]
+    FederatedDataModule(**written["data"])  # every data option in range (checked before any file is read)
