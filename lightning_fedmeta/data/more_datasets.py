@@ -175,7 +175,8 @@ def _read_jpeg(path: Path) -> np.ndarray:
     try:
         with Image.open(path, formats=["JPEG"]) as img:
             if img.size != _TINY_SIZE:
-                raise ValueError(f"{str(path)!r}: a Tiny-ImageNet image is 64x64, this one is {img.size[0]}x{img.size[1]}")
+                width, height = img.size
+                raise ValueError(f"{str(path)!r}: a Tiny-ImageNet image is 64x64, this one is {width}x{height}")
             return np.asarray(img.convert("RGB"), dtype=np.uint8).transpose(2, 0, 1)
     except (UnidentifiedImageError, OSError) as err:
         raise ValueError(f"{str(path)!r} is not a readable JPEG ({err})") from None

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.data.datasets import _load_pixels, has_dataset_files
@@ -86,7 +85,8 @@ def test_emnist_bad_labels_name_the_file(tmp_path):
 
 
 def test_emnist_missing_files_list_where_they_were_looked_for(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"(?s)emnist_byclass files not found.*EMNIST/raw/emnist-byclass-train-images"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"(?s)emnist_byclass files not found.*EMNIST/raw/emnist-byclass-train-images"):
         _load_pixels("emnist_byclass", tmp_path)
 
 

@@ -33,7 +33,8 @@ def test_pathological_balanced_counts_by_hand():
     assert [sorted(set(LABELS[p])) for p in parts[:4]] == [[0, 1]] * 4
     assert sorted(set(LABELS[parts[19]])) == [8, 9]
     # balance=True draws nothing: any seed gives the same split, in dataset order within each class
-    assert all(np.array_equal(a, b) for a, b in zip(parts, pathological(LABELS, 20, 2, balance=True, seed=7)))
+    same = pathological(LABELS, 20, 2, balance=True, seed=7)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, same, strict=True))
     assert np.array_equal(parts[0], np.r_[0:25, 100:125])
 
 
@@ -46,7 +47,7 @@ def test_pathological_unbalanced_sizes_are_seeded_and_within_bounds():
     a = pathological(LABELS, 20, 2, balance=False, seed=1)
     b = pathological(LABELS, 20, 2, balance=False, seed=1)
     c = pathological(LABELS, 20, 2, balance=False, seed=2)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert [p.size for p in a] != [p.size for p in c]
     assert _disjoint(a) and sum(p.size for p in a) == LABELS.size
     least = pfllib_least_samples(LABELS.size, 20)
@@ -67,7 +68,7 @@ def test_dirichlet_min_size_respects_the_minimum_and_seed():
     assert min(p.size for p in a) >= 40 and _disjoint(a) and sum(p.size for p in a) == y.size
     b = dirichlet_min_size(y, 20, 0.1, least_samples=40, seed=3)
     c = dirichlet_min_size(y, 20, 0.1, least_samples=40, seed=4)
-    assert all(np.array_equal(x, z) for x, z in zip(a, b))
+    assert all(np.array_equal(x, z) for x, z in zip(a, b, strict=True))
     assert [p.size for p in a] != [p.size for p in c]
 
 
@@ -84,11 +85,11 @@ def test_per_client_train_test_fraction_and_sklearn_order():
     assert [t.numel() for t in train] == [15, 5] and [t.numel() for t in test] == [5, 2]  # floor(0.75 n) train
     perm = np.random.RandomState(5).permutation(20)  # sklearn's ShuffleSplit: test = perm[:n_test]
     assert torch.equal(test[0], torch.from_numpy(np.sort(parts[0][perm[:5]])))
-    for tr, te, p in zip(train, test, parts):
+    for tr, te, p in zip(train, test, parts, strict=True):
         assert sorted(tr.tolist() + te.tolist()) == p.tolist()
     again, _ = per_client_train_test(parts, 0.75, seed=5)
     other, _ = per_client_train_test(parts, 0.75, seed=6)
-    assert all(torch.equal(a, b) for a, b in zip(train, again)) and not torch.equal(train[0], other[0])
+    assert all(torch.equal(a, b) for a, b in zip(train, again, strict=True)) and not torch.equal(train[0], other[0])
     with pytest.raises(ValueError, match="client 0 has 1 rows"):
         per_client_train_test([np.arange(1)], 0.75)
 
