@@ -38,6 +38,8 @@ from lightning_fedmeta.data.datasets import (
     has_dataset_files,
 )
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
+from lightning_fedmeta.data.leaf import ALL_LETTERS, FEMNIST_NUM_CLASSES, LEAF_KINDS, LeafDataset
+from lightning_fedmeta.data.more_datasets import MORE_DATASETS
 from lightning_fedmeta.data.partition import (
     PERFEDAVG_SAMPLES_PER_CLASS,
     cap_client_sizes,
@@ -46,6 +48,13 @@ from lightning_fedmeta.data.partition import (
     matching_test_split,
     perfedavg_paper,
     shards,
+)
+from lightning_fedmeta.data.splits import (
+    PFLLIB_TRAIN_RATIO,
+    dirichlet_min_size,
+    flower_partition,
+    pathological,
+    per_client_train_test,
 )
 from lightning_fedmeta.data.synthetic import make_synthetic
 from lightning_fedmeta.data.synthetic_scale import make_synthetic_scale
@@ -69,12 +78,18 @@ __all__ = [
 SYNTHETIC_DATASETS: tuple[str, ...] = (
     "synthetic", "synthetic_regression", "synthetic_multilabel", "synthetic_next_token", "synthetic_scale",
 )
-DATASET_NAMES: tuple[str, ...] = (*SYNTHETIC_DATASETS, *IMAGE_DATASETS)
-PARTITION_NAMES: tuple[str, ...] = ("iid", "dirichlet", "shards", "perfedavg_paper")
+DATASET_NAMES: tuple[str, ...] = (*SYNTHETIC_DATASETS, *IMAGE_DATASETS, *LEAF_KINDS)
+PARTITION_NAMES: tuple[str, ...] = (
+    "iid", "dirichlet", "shards", "perfedavg_paper", "pathological", "dirichlet_min_size", "flower",
+)
+#: How an image dataset's clients get test rows: ``matching`` (from the test pool, :func:`matching_test_split`) or
+#: ``per_client`` (train and test pools merged, split, then each client's rows split at ``train_fraction``).
+TEST_SPLITS: tuple[str, ...] = ("matching", "per_client")
 _NUM_CLASSES: dict[str, int | None] = {
     "synthetic": 10, "synthetic_scale": 10, "synthetic_regression": None, "synthetic_multilabel": 10,
     "synthetic_next_token": 16,
-    "fashion_mnist": 10, "mnist": 10, "cifar10": 10,
+    "fashion_mnist": 10, "mnist": 10, "cifar10": 10, **MORE_DATASETS,
+    "femnist": FEMNIST_NUM_CLASSES, "shakespeare": len(ALL_LETTERS),
 }
 
 
@@ -149,11 +164,17 @@ class FederatedDataModule(L.LightningDataModule):
             :class:`FederatedDataset` protocol (``num_classes`` and ``client_data()``; e.g.
             :class:`~lightning_fedmeta.data.leaf.LeafDataset` for LEAF JSON files, or
             :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` around your own
-            ``LightningDataModule``).
+            ``LightningDataModule``). Also read from files under ``root``: ``"cifar100"``, ``"emnist_<split>"``
+            (``balanced``, ``byclass``, ``bymerge``, ``letters``, ``digits``, ``mnist``), ``"tiny_imagenet"``
+            (:mod:`~lightning_fedmeta.data.more_datasets`), and LEAF's ``"femnist"`` and ``"shakespeare"`` (JSON
+            files, one client per LEAF user, the first ``num_clients`` users by id:
+            :class:`~lightning_fedmeta.data.leaf.LeafDataset`).
         root: data folder. Fashion-MNIST defaults to ``/usr/share/datasets/fashion-mnist``
             (Debian package ``dataset-fashion-mnist``); MNIST and CIFAR-10 need it.
         download: fetch missing image files with torchvision into ``root`` in ``prepare_data``.
-        partition: how an image dataset's train set is split: ``"iid"``, ``"dirichlet"``
+        partition: how an image dataset's train set is split (``"pathological"``: PFLlib's ``pat``,
+            ``"dirichlet_min_size"``: PFLlib's ``dir``, ``"flower"``: a Flower Datasets partitioner; or) ``"iid"``,
+            ``"dirichlet"``
             (label skew, Dir(``dirichlet_alpha``)), ``"shards"`` (``classes_per_client`` label
             shards per client) or ``"perfedavg_paper"`` (the Per-FedAvg paper's split with
             ``a = samples_per_class``). Ignored for the synthetic datasets and user datasets, except a
@@ -166,6 +187,15 @@ class FederatedDataModule(L.LightningDataModule):
         samples_per_class: ``a`` of ``"perfedavg_paper"``, ``>= 2`` (default 196, the paper's MNIST value).
         max_samples_per_client: optional cap on each client's train samples for ``"iid"``,
             ``"dirichlet"`` and ``"shards"`` (a random subset is kept); ``None`` for no cap.
+        balance: ``"pathological"`` (PFLlib's ``pat``): equal shares of each class (``True``) or random ones.
+        min_client_samples: ``"pathological"``/``"dirichlet_min_size"``: PFLlib's ``least_samples`` (``None``:
+            ``int(min(40, N / K / 2))``, PFLlib's value; :mod:`~lightning_fedmeta.data.splits`).
+        max_retries: ``"dirichlet_min_size"`` redraws at most this many times, then raises.
+        test_split: ``"matching"`` (default) or ``"per_client"``: merge the train and test pools, partition them,
+            and split each client's rows at random, ``train_fraction`` for training (PFLlib's protocol).
+        train_fraction: the training share of ``"per_client"`` (PFLlib's ``train_ratio`` 0.75).
+        partitioner: with ``partition: flower``, a ``flwr_datasets.partitioner`` object (YAML ``class_path``),
+            used as-is on the labels (:func:`~lightning_fedmeta.data.splits.flower_partition`).
         synthetic_alpha: model heterogeneity ``alpha >= 0`` of Synthetic(alpha, beta) (and of the
             regression and multi-label variants).
         synthetic_beta: input heterogeneity ``beta >= 0`` of Synthetic(alpha, beta) (and variants).
@@ -204,6 +234,12 @@ class FederatedDataModule(L.LightningDataModule):
         data_seed: int = 0,
         validation_fraction: float = 0.0,
         eval_clients: int | None = None,
+        balance: bool = False,
+        min_client_samples: int | None = None,
+        max_retries: int = 100,
+        test_split: str = "matching",
+        train_fraction: float = PFLLIB_TRAIN_RATIO,
+        partitioner: Any = None,
     ) -> None:
         super().__init__()
         _check_dataset(dataset)
@@ -211,6 +247,8 @@ class FederatedDataModule(L.LightningDataModule):
             dataset, partition, num_clients, dirichlet_alpha, classes_per_client, samples_per_class,
             max_samples_per_client,
         )
+        _check_split_options(partition, balance, min_client_samples, max_retries, test_split, train_fraction,
+                             partitioner)
         _check_int("data_seed", data_seed, 0)
         _check_synthetic_options(synthetic_alpha, synthetic_beta)
         _check_evaluation_options(eval_every, validation_fraction, eval_clients)
@@ -236,8 +274,11 @@ class FederatedDataModule(L.LightningDataModule):
         self.seed = data_seed
         self.validation_fraction = float(validation_fraction)
         self.eval_clients = eval_clients
+        self.balance, self.min_client_samples, self.max_retries = balance, min_client_samples, max_retries
+        self.test_split, self.train_fraction, self.partitioner = test_split, float(train_fraction), partitioner
         self.federated_data: FederatedData | None = None
-        self.save_hyperparameters(ignore=None if isinstance(dataset, str) else ["dataset"])
+        ignored = ([] if isinstance(dataset, str) else ["dataset"]) + ([] if partitioner is None else ["partitioner"])
+        self.save_hyperparameters(ignore=ignored or None)
 
     @property
     def num_classes(self) -> int | None:
@@ -278,10 +319,12 @@ class FederatedDataModule(L.LightningDataModule):
     def _describe(self) -> str:
         if not isinstance(self.dataset, str):
             return f"{type(self.dataset).__name__} (user dataset)"
-        if self.dataset == "synthetic_next_token":
+        if self.dataset in ("synthetic_next_token", *LEAF_KINDS):
             return self.dataset
         if self.dataset in SYNTHETIC_DATASETS:
             return f"{self.dataset}({self.synthetic_alpha}, {self.synthetic_beta})"
+        if self.test_split == "per_client":
+            return f"{self.dataset}, partition={self.partition}, per-client split {self.train_fraction:g} train"
         return f"{self.dataset}, partition={self.partition}"
 
     def _build(self) -> FederatedData:
@@ -307,23 +350,48 @@ class FederatedDataModule(L.LightningDataModule):
             )
         if self.dataset == "synthetic_next_token":
             return make_synthetic_next_token(num_clients=self.num_clients, seed=self.seed)
+        if self.dataset in LEAF_KINDS:  # the natural split: one client per LEAF user (writer / role)
+            leaf = LeafDataset(self.root or "", kind=self.dataset, max_clients=self.num_clients)  # type: ignore[arg-type]
+            return from_client_tensors(leaf.client_data(), leaf.num_classes, leaf.client_names, leaf.task)
+        return self._build_image()
+
+    def _build_image(self) -> FederatedData:
+        """Partition an image dataset's pool and give each client test rows (``test_split``)."""
         # uint8 pixels: only the rows the clients get are standardised (the same floats, element-wise)
-        train_x, train_y, test_x, test_y = _load_pixels(self.dataset, self.root, download=False)
-        if self.partition == "iid":
-            parts = iid(train_y, self.num_clients, self.seed)
-        elif self.partition == "dirichlet":
-            parts = dirichlet(train_y, self.num_clients, self.dirichlet_alpha, self.seed)
-        elif self.partition == "shards":
-            parts = shards(train_y, self.num_clients, self.classes_per_client, self.seed)
-        else:
-            parts = perfedavg_paper(train_y, self.num_clients, self.samples_per_class, self.seed)
-        if self.partition != "perfedavg_paper":
-            parts = cap_client_sizes(parts, self.max_samples_per_client, self.seed)
+        train_x, train_y, test_x, test_y = _load_pixels(self.dataset, self.root, download=False)  # type: ignore[arg-type]
+        num_classes = int(_NUM_CLASSES[self.dataset] or 0)  # type: ignore[index]
+        transform = partial(_standardize, name=self.dataset)
+        rng = np.random.RandomState(self.seed)  # one stream for partition then split, as PFLlib's scripts
+        if self.test_split == "per_client":  # PFLlib: merge the pools, partition, split every client's rows
+            pool_x, pool_y = np.concatenate([train_x, test_x]), torch.cat([train_y, test_y])
+            parts = self._partition(pool_y, num_classes, rng)
+            train_parts, test_parts = per_client_train_test(parts, self.train_fraction, rng)
+            return _gather(pool_x, pool_y, train_parts, pool_x, pool_y, test_parts, num_classes, transform=transform)
+        parts = self._partition(train_y, num_classes, rng)
         test_parts = matching_test_split([train_y[p] for p in parts], test_y, self.seed)
-        return _gather(
-            train_x, train_y, parts, test_x, test_y, test_parts, int(_NUM_CLASSES[self.dataset] or 0),
-            transform=partial(_standardize, name=self.dataset),
-        )
+        return _gather(train_x, train_y, parts, test_x, test_y, test_parts, num_classes, transform=transform)
+
+    def _partition(self, y: Tensor, num_classes: int, rng: np.random.RandomState) -> list[Tensor]:
+        """``self.partition`` of the labels ``y``: one int64 index tensor per client."""
+        k = self.num_clients
+        if self.partition == "perfedavg_paper":
+            return perfedavg_paper(y, k, self.samples_per_class, self.seed)
+        if self.partition == "pathological":
+            found = pathological(y, k, self.classes_per_client, self.balance, self.min_client_samples, rng,
+                                 num_classes)
+        elif self.partition == "dirichlet_min_size":
+            found = dirichlet_min_size(y, k, self.dirichlet_alpha, self.min_client_samples, self.max_retries, rng,
+                                       num_classes)
+        elif self.partition == "flower":
+            found = flower_partition(self.partitioner, y)
+            if len(found) != k:
+                raise ValueError(f"the Flower partitioner has num_partitions={len(found)} but data.num_clients={k}; "
+                                 "set them equal")
+        else:
+            split = {"iid": iid, "dirichlet": partial(dirichlet, alpha=self.dirichlet_alpha),
+                     "shards": partial(shards, classes_per_client=self.classes_per_client)}[self.partition]
+            return cap_client_sizes(split(y, k, seed=self.seed), self.max_samples_per_client, self.seed)
+        return [torch.as_tensor(p, dtype=torch.long) for p in found]
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
@@ -426,6 +494,30 @@ def _check_partition_options(
         _check_int("max_samples_per_client", max_samples_per_client, 1)
 
 
+def _check_split_options(
+    partition: str, balance: bool, min_client_samples: int | None, max_retries: int, test_split: str,
+    train_fraction: float, partitioner: Any,
+) -> None:
+    """Raise ``ValueError`` for an option of the PFLlib / Flower splits outside its range."""
+    if not isinstance(balance, bool):
+        raise ValueError(f"balance must be true or false, got {balance!r}")
+    if min_client_samples is not None:
+        _check_int("min_client_samples", min_client_samples, 0)
+    _check_int("max_retries", max_retries, 1)
+    if test_split not in TEST_SPLITS:
+        raise ValueError(f"unknown test_split {test_split!r}; choose one of {list(TEST_SPLITS)}")
+    if isinstance(train_fraction, bool) or not 0 < train_fraction < 1:
+        raise ValueError(f"train_fraction must be in (0, 1) (PFLlib's train_ratio is 0.75), got {train_fraction!r}")
+    if (partition == "flower") != (partitioner is not None):
+        raise ValueError("partition: flower needs data.partitioner (a flwr_datasets.partitioner object, e.g. "
+                         "class_path: flwr_datasets.partitioner.IidPartitioner), and data.partitioner needs "
+                         f"partition: flower; got partition={partition!r}, partitioner={type(partitioner).__name__}")
+    for attr in ("num_partitions", "load_partition"):
+        if partitioner is not None and not (hasattr(type(partitioner), attr) or hasattr(partitioner, attr)):
+            raise ValueError(f"data.partitioner {type(partitioner).__name__} has no {attr!r}: it must follow "
+                             "flwr_datasets.partitioner.Partitioner")
+
+
 def _share_split_options(dataset: str | FederatedDataset, options: dict[str, Any]) -> None:
     """Give a user dataset that splits samples itself (``follow_datamodule``, as
     :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` has) this module's split options, so
@@ -474,12 +566,13 @@ def _check_evaluation_options(eval_every: int, validation_fraction: float, eval_
 
 
 def _check_root(dataset: str | FederatedDataset, root: str | None) -> None:
-    """Raise ``ValueError`` when MNIST or CIFAR-10 is asked for without a ``root`` folder."""
-    if isinstance(dataset, str) and dataset in ("mnist", "cifar10") and root is None:
-        raise ValueError(
-            f"dataset {dataset!r} needs a `root` folder, got root=None (with `download: true` "
-            "the files are fetched there)"
-        )
+    """Raise ``ValueError`` when a dataset read from files (all but the synthetic ones and Fashion-MNIST, which
+    has a default folder) is asked for without a ``root`` folder."""
+    needs_root = isinstance(dataset, str) and dataset not in (*SYNTHETIC_DATASETS, "fashion_mnist")
+    if needs_root and root is None:
+        how = ("the folder with LEAF's train/ and test/ JSON files" if dataset in LEAF_KINDS
+               else "with `download: true` the files are fetched there, where torchvision can")
+        raise ValueError(f"dataset {dataset!r} needs a `root` folder, got root=None ({how})")
 
 
 def _gather(

@@ -43,6 +43,13 @@ except ImportError:  # numpy 1
     from numpy.core.numeric import _frombuffer as _np_frombuffer
 
 from lightning_fedmeta.data.idx import check_idx_images, idx_labels_tensor, read_idx_arrays
+from lightning_fedmeta.data.more_datasets import (
+    MORE_DATASETS,
+    NORMALIZATION_MORE,
+    download_more,
+    has_more_files,
+    load_more_pixels,
+)
 
 __all__ = [
     "DEFAULT_FASHION_MNIST_ROOT",
@@ -66,13 +73,14 @@ CentralizedPixels = tuple[np.ndarray, Tensor, np.ndarray, Tensor]
 DEFAULT_FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 
 #: Names accepted by :func:`load_dataset`.
-IMAGE_DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist", "cifar10")
+IMAGE_DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist", "cifar10", *MORE_DATASETS)
 
 #: Per-channel ``(mean, std)`` applied after scaling pixels to ``[0, 1]``.
 NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "fashion_mnist": ((0.2860,), (0.3530,)),
     "mnist": ((0.1307,), (0.3081,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    **NORMALIZATION_MORE,  # CIFAR-100, EMNIST, Tiny-ImageNet: lightning_fedmeta.data.more_datasets
 }
 
 _IDX_STEMS = (
@@ -148,6 +156,8 @@ def has_dataset_files(name: str, root: str | os.PathLike[str]) -> bool:
     """Whether every file :func:`load_dataset` reads for ``name`` exists under ``root``."""
     if name == "cifar10":
         return all(p.is_file() for p in _cifar_paths(root))
+    if name in MORE_DATASETS:
+        return has_more_files(name, root)
     if name not in _TORCHVISION_FOLDER:
         raise ValueError(f"unknown dataset {name!r}; known image datasets are {list(IMAGE_DATASETS)}")
     return _find_idx_files(name, root)[0] is not None
@@ -166,6 +176,9 @@ def download_dataset(name: str, root: str | os.PathLike[str] | None) -> None:
         raise ValueError(f"unknown dataset {name!r}; downloadable datasets are {list(IMAGE_DATASETS)}")
     if root is None:
         raise ValueError(f"downloading {name} needs a writable `root` folder, got root=None")
+    if name in MORE_DATASETS:
+        download_more(name, root)
+        return
     if has_dataset_files(name, root):
         return
     import torchvision.datasets as tvd
@@ -259,8 +272,9 @@ class _CifarUnpickler(pickle.Unpickler):
         return found
 
 
-def read_cifar_batch(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
-    """Read one CIFAR-10 "python version" batch: a pickled dict with ``data`` and ``labels``.
+def read_cifar_batch(path: str | os.PathLike[str], label_key: str = "labels") -> tuple[Tensor, Tensor]:
+    """Read one CIFAR "python version" batch: a pickled dict with ``data`` and ``labels`` (CIFAR-10) or
+    ``fine_labels`` (CIFAR-100's 100 classes, ``label_key="fine_labels"``; its ``train`` and ``test`` files).
 
     ``data`` is ``uint8 [N, 3072]`` laid out as 1024 red, 1024 green, 1024 blue values of a
     row-major 32x32 image (https://www.cs.toronto.edu/~kriz/cifar.html), returned as
@@ -273,8 +287,12 @@ def read_cifar_batch(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
         try:
             batch = _CifarUnpickler(f, encoding="bytes").load()
         except pickle.UnpicklingError as exc:
-            raise ValueError(f"{os.fspath(path)!r} is not a CIFAR-10 batch: {exc}; it was not loaded (unpickling "
+            what = "CIFAR-100 file" if label_key == "fine_labels" else "CIFAR-10 batch"
+            raise ValueError(f"{os.fspath(path)!r} is not a {what}: {exc}; it was not loaded (unpickling "
                              "it could run code). Use the official files (download: true fetches them)") from None
+        except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as exc:
+            raise ValueError(f"{os.fspath(path)!r} is not a readable CIFAR pickle ({type(exc).__name__}: {exc}); "
+                             "use the official files (download: true fetches them)") from None
     if not isinstance(batch, dict):
         raise ValueError(f"{os.fspath(path)!r}: expected a pickled dict, got {type(batch).__name__}")
 
@@ -284,8 +302,12 @@ def read_cifar_batch(path: str | os.PathLike[str]) -> tuple[Tensor, Tensor]:
                 return batch[k]
         raise ValueError(f"{os.fspath(path)!r}: CIFAR batch has no {key!r} entry (keys: {list(batch)})")
 
-    data = np.asarray(get("data"), dtype=np.uint8)
-    labels = np.asarray(get("labels"), dtype=np.int64).reshape(-1)
+    raw_data, raw_labels = get("data"), get(label_key)
+    try:
+        data = np.asarray(raw_data, dtype=np.uint8)
+        labels = np.asarray(raw_labels, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ValueError(f"{os.fspath(path)!r}: expected uint8 'data' and integer {label_key!r} ({err})") from None
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.shape[0] != labels.shape[0]:
         raise ValueError(
             f"{os.fspath(path)!r}: expected data [N, 3072] and N labels, got {data.shape} and {labels.shape}"
@@ -348,4 +370,6 @@ def _load_pixels(
         )
     if download:
         download_dataset(name, root)
+    if name in MORE_DATASETS:
+        return load_more_pixels(name, root)
     return _load_idx_pixels(name, root) if name == "mnist" else _load_cifar_pixels(root)
