@@ -1,0 +1,117 @@
+"""FedBABU: the body is trained and averaged, the head stays at its random initialisation; every client fine-tunes
+the whole model to personalise it (Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated Image
+Classification", ICLR 2022, arXiv:2106.06042, Algorithm 1).
+
+The parameters split into a body φ and a head h (by default the last layer; ``head_prefix``). h is h⁰, the
+initialisation, for the whole of training. Client i, receiving φ:
+
+    φ_i⁰ = φ,   φ_iᵗ = φ_iᵗ⁻¹ − η ∇_φ F_i(φ_iᵗ⁻¹, h⁰; Dₜ),   t = 1..τ      (the head is not updated),
+
+and uploads Δ_i = (φ_i^τ − φ, 0). Server: φ ← φ + β Σ_{i∈S} p_i (φ_i^τ − φ); h stays h⁰. Personalisation, before
+every evaluation: ``finetune_steps`` SGD steps on the whole model (body and head) from (φ, h⁰) on the client's
+training data, (φ_i, h_i) ← (φ_i, h_i) − η_f ∇F_i(φ_i, h_i; Dₜ).
+
+Where we differ from the authors' code (github.com/jhoon-oh/FedBABU, ``main_fed.py`` with ``--local_upt_part body
+--aggr_part body``, personalisation in ``analysis.ipynb``):
+
+* They freeze the head by a head learning rate of 0 in an SGD optimizer with momentum 0.9 and select the head by
+  the name ``linear``; we take no step on the head (its gradient is computed with the body's and dropped) and
+  select it by ``head_prefix``. Local SGD is plain here (no momentum, no weight decay), at a constant rate (they
+  divide it by 10 at half and three quarters of the rounds).
+* They average with weights 1/m over the m sampled clients; we use the round's p_i (``aggregation``).
+* Their personalisation is 5 epochs of SGD with momentum 0.9 at lr 1e-3 on the whole model, once, from the final
+  global model; ours is ``finetune_steps`` plain SGD steps at ``finetune_lr`` from the current global model before
+  every evaluation (nothing of it is kept). PFLlib's ``clientbabu`` fine-tunes once after the last round as well.
+* Their networks' BatchNorm layers do not track running statistics; ours keep them per client (the loop does, for
+  every algorithm).
+* h stays h⁰ because every upload's head part is 0: a server optimizer with weight decay would still shrink it.
+
+New clients: a held-out client is personalised as every client is, by ``finetune_steps`` steps on the whole model
+from (φ, h⁰); FedBABU keeps no client state, so a client that has trained and one that has not are treated alike.
+
+Common arguments: ``local_steps``, ``local_lr``, ``batch_size``: the body steps above, one per batch;
+``finetune_steps`` (default 10 here: FedBABU is evaluated after fine-tuning; 0 evaluates (φ, h⁰), the paper's
+"initial" accuracy), ``finetune_lr``, ``finetune_batch_size``: the personalisation. All are used.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
+from lightning_fedmeta.algorithms.shared_representation import head_names
+from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+
+__all__ = ["FedBABU", "body_sgd"]
+
+
+def body_sgd(
+    ctx: ClientContext, params: Params, head: set[str], batches: Batch, lr: float
+) -> tuple[Params, Tensor]:
+    """SGD on the body only, ``φ ← φ − η ∇_φ F(φ, h; Dₜ)`` over every batch ``batches[t, 0]``, the head ``h``
+    (the names in ``head``) unchanged; returns the model and the mean loss over the steps taken. A step on an
+    empty batch (beyond a straggler's budget) is a no-op: the masked loss and its gradient are 0."""
+    w = params
+    losses = []
+    for t in range(batches.x.shape[0]):
+        loss, g = ctx.loss_and_grad(w, batches.at(t, 0))
+        w = {k: v if k in head else v - lr * g[k] for k, v in w.items()}
+        losses.append(loss)
+    return w, mean_over_taken_steps(losses, batches)
+
+
+class FedBABU(Algorithm):
+    """FedBABU: body-only local SGD with the head frozen at its initialisation; whole-model fine-tuning to evaluate.
+
+    Args:
+        head_prefix: parameter-name prefix(es) of the head (a name equal to a prefix or starting with
+            ``prefix + "."``); ``None``: the last layer (the module owning the last parameter).
+        finetune_steps: SGD steps on the whole model before evaluation (the personalisation); default 10.
+        local_steps, local_lr, batch_size, finetune_lr, finetune_batch_size: see
+            :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
+    """
+
+    name = "fedbabu"
+    step_budget = True
+    summary = "FedBABU: body trained with the head frozen at init; whole model fine-tuned to personalise (Oh et al.)"
+
+    def __init__(self, head_prefix: str | list[str] | None = None, finetune_steps: int = 10) -> None:
+        super().__init__(finetune_steps=finetune_steps)
+        if head_prefix is not None and not (
+            isinstance(head_prefix, str) or all(isinstance(p, str) for p in head_prefix)
+        ):
+            raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+        self.head_prefix = head_prefix
+
+    def head(self, params: Params) -> set[str]:
+        """The names of the head's parameters (:func:`head_names`)."""
+        return set(head_names(list(params), self.head_prefix))
+
+    def client_update(
+        self,
+        ctx: ClientContext,
+        params: Params,
+        batches: Batch,
+        state: dict[str, Tensor],
+        server_state: dict[str, Tensor],
+        client: ClientRecord,
+    ) -> ClientOutput:
+        """τ body steps with the head fixed (:func:`body_sgd`); upload ``(φ_i − φ, 0)``."""
+        w, loss = body_sgd(ctx, params, self.head(params), batches, self.local_lr)
+        delta = tree_sub(w, params)
+        return ClientOutput(delta, state, {}, {"loss": loss})
+
+    def personalize(
+        self,
+        ctx: ClientContext,
+        params: Params,
+        batches: Batch,
+        state: dict[str, Tensor],
+        server_state: dict[str, Tensor],
+        client: ClientRecord,
+    ) -> Params:
+        """``finetune_steps`` SGD steps on the whole model from the global (φ, h⁰), for every client alike."""
+        self.head(params)  # refuse a head_prefix that does not fit the model before adapting
+        return self.finetune(ctx, params, batches)
+
