@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import statistics
@@ -219,7 +220,9 @@ def time_project(device: str, work: Workload, clients: int, rounds: int, data: R
         except torch.cuda.OutOfMemoryError:
             if chunk == CHUNK_SIZES[-1]:
                 raise
-            torch.cuda.empty_cache()
+        # the failed attempt's trainer and module hold the GPU until their reference cycles are collected
+        gc.collect()
+        torch.cuda.empty_cache()
     timed = timer.times[1:] if len(timer.times) > 1 else timer.times
     row: dict[str, Any] = {"s_per_round": statistics.median(timed), "first_round_s": timer.times[0],
                            "client_chunk_size": chunk,
