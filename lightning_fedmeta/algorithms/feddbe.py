@@ -1,5 +1,5 @@
-"""FedDBE: domain bias elimination in representation space (Zhang, Hua, Cao, Wang, Guan, Ma, "Eliminating Domain
-Bias for Federated Learning in Representation Space", NeurIPS 2023, arXiv:2311.14975; FedAvg + DBE).
+"""FedDBE: domain bias elimination in representation space (Zhang, Hua, Cao, Wang, Song, Xue, Ma, Guan, "Eliminating
+Domain Bias for Federated Learning in Representation Space", NeurIPS 2023, arXiv:2311.14975; FedAvg + DBE).
 
 The model is a body φ (x ↦ z ∈ ℝᵈ, the input of the last linear layer) and a linear head h(z) = W z + b. Each
 client keeps a personal representation bias μ_i ∈ ℝᵈ (its "client mean", initially 0), added to z before the
@@ -22,8 +22,8 @@ Where we differ from the authors' code (github:TsingZ0/DBE; PFLlib's clientdbe/s
   client in round 0 the ḡ is the code's up to the models being FedAvg-trained rather than discarded.
 * The batch mean z̄ is over the batch's real samples (the loop pads batches with a mask); the code's batches
   are unpadded.
-* Defaults: κ = 50 and ρ = 1.0, the image-data setting of the authors' run scripts; PFLlib's ``main.py``
-  defaults are κ = 0 (no regulariser) and ρ = 0.1.
+* Defaults: κ = 50 and ρ = 1.0, the authors' ``system/run_me.sh`` (Fashion-MNIST, CNN, η = 0.005, batch 10,
+  one local epoch); the ``main.py`` defaults (theirs and PFLlib's) are κ = 0 (no regulariser) and ρ = 0.1.
 
 New clients: μ_i = 0 for a client that has not trained (held out, or not sampled yet), so it is evaluated with
 the global model; ``finetune_steps`` plain SGD steps (``finetune_lr``, ``finetune_batch_size``) then adapt it,

@@ -16,6 +16,9 @@ to the loop).
 
 Where we differ from the authors' code (the paper's Algorithm 1 and PFLlib's clientfomo/serverfomo; we follow
 PFLlib's rule, which the paper's eq. (5) equals when Σ w⁺ > 0):
+* The authors' code (github:NVlabs/FedFomo) has several variants we did not reproduce (other baseline models,
+  leave-one-out averages, softmax weighting, ε-greedy selection with decay) and divides by the distance without
+  PFLlib's +10⁻⁵; we implement the paper's main rule with PFLlib's +10⁻⁵.
 * Validation data: PFLlib holds out the last 20% of each client's training set as V and trains on the rest. Here
   V is one extra mini-batch of the client's training data drawn each round (batch 0 of the round; the τ SGD
   steps use batches 1..τ), so all training data is trained on and V is not held out.

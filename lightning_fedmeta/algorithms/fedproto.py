@@ -25,9 +25,10 @@ Where we differ from the authors' code (github:yuetan031/FedProto; PFLlib's clie
 * Inference: PFLlib and the authors' "acc w/ protos" predict the class of the nearest global prototype
   (argmin_k ‖φ_i(x) − C̄ᵏ‖); the authors also report the local head's accuracy. The loop evaluates a model's
   output, so we evaluate with the local head h_i(φ_i(x)).
-* Local prototypes: the code collects z over every batch of every local epoch (train mode); we do the same over
-  the round's τ batches. Mini-batches are drawn with replacement across steps (the loop's sampler), epochs in the
-  code.
+* Local prototypes: the authors' code averages z over the batches of the *last* local epoch, PFLlib's over every
+  epoch; we average over all the round's τ batches (PFLlib's choice; the two agree with one local epoch, the
+  authors' default). Mini-batches are drawn independently per step (the loop's sampler), epochs in the code.
+* Local optimiser: the authors' code uses SGD with momentum 0.5; PFLlib and we use plain SGD.
 
 New clients: a held-out client starts from θ⁰ (no model of its own; the global parameters never move) and
 takes ``finetune_steps`` steps of the FedProto objective above (cross-entropy plus λ times the pull towards the
