@@ -201,3 +201,36 @@ def test_engine_bytes_follow_the_codec() -> None:
     module.engine.codec = HalfCodec()
     (traffic,) = _rounds(module, 0, 1)
     assert traffic.up_bytes.tolist() == [2 * D] * 3 and traffic.down_bytes.tolist() == [2 * D] * 3
+
+
+# model.compression -> (bytes down, bytes up) per fedavg client, by hand on the flat row of d = 75 values
+COMPRESSED_COUNTS: dict[str, tuple[Any, int, int]] = {
+    "float16": ("float16", FLOAT * D, 2 * D),
+    "bfloat16_both": ({"upload": "bfloat16", "download": "bfloat16"}, 2 * D, 2 * D),
+    # one bucket: one float32 norm, 75 one-byte levels
+    "qsgd8": ({"upload": "qsgd", "bits": 8}, FLOAT * D, 4 * 1 + 75),
+    # ⌈75/32⌉ = 3 buckets on the flat row (not per tensor: 4 tensors would make 4 + 1 + 1 + 1 = 7): 3 norms, ⌈300/8⌉
+    "qsgd4_buckets": ({"upload": "qsgd", "bits": 4, "bucket_size": 32}, FLOAT * D, 4 * 3 + 38),
+    # k = ⌈7.5⌉ = 8 float32 values and the cheaper of 8 int32 indices (32) and a ⌈75/8⌉ = 10-byte bitmap
+    "topk": ({"upload": "topk", "fraction": 0.1, "download": "float16"}, 2 * D, 8 * 4 + 10),
+    # k = ⌈37.5⌉ = 38 values and a 10-byte bitmap
+    "randomk": ({"upload": "randomk", "fraction": 0.5}, FLOAT * D, 38 * 4 + 10),
+}
+
+
+@pytest.mark.parametrize("label", sorted(COMPRESSED_COUNTS))
+def test_bytes_follow_the_configured_compressors(label: str) -> None:
+    option, down, up = COMPRESSED_COUNTS[label]
+    module = _module("fedavg", {}, compression=option)
+    spec = module.engine.compression.spec
+    for traffic in _rounds(module, 0, 2):
+        assert traffic.totals() == {"comm/up_bytes": 3 * up, "comm/down_bytes": 3 * down}
+    if spec.upload is not None:  # what the compressor itself says it sends for the flat upload
+        assert up == spec.upload.encoded_bytes(D)
+
+
+def test_a_16_bit_download_halves_only_what_comes_from_the_model() -> None:
+    module = _module("scaffold", {}, compression={"download": "float16"})
+    (traffic,) = _rounds(module, 0, 1)
+    assert traffic.down_bytes.tolist() == [2 * D + FLOAT * D] * 3  # w in 16 bits, SCAFFOLD's c in float32
+    assert traffic.up_bytes.tolist() == [FLOAT * 2 * D] * 3
