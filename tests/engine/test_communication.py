@@ -24,6 +24,7 @@ F, H, C = 5, 8, 3  # the kit's MLP: Linear(5, 8) -> Tanh -> Linear(8, 3)
 D = (F * H + H) + (H * C + C)  # d = 75 floats
 FLOAT, LONG = 4, 8  # float32 and int64 bytes
 MOCHA_D = C * (F + 1)  # MOCHA's linear model: one row of F weights and a bias per class
+BN_D = (F * H + H) + 2 * H + (H * C + C)  # FedBN's example model: Linear(5, 8) -> BatchNorm1d(8) -> Linear(8, 3)
 
 # (algorithm, arguments) -> (bytes down, bytes up) per client and round, counted by hand from the exchange
 HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
@@ -51,6 +52,18 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "mtl_graph": ({"knn": 2}, FLOAT * (2 * D + 1), FLOAT * 2 * D),
     # the task model, the SDCA scale and the round counter down; Δv and the local gap up
     "mocha": ({}, FLOAT * (MOCHA_D + 1) + LONG, FLOAT * (MOCHA_D + 1)),
+    # w̄, the attention-weighted cloud model u_k and c_k = λ/α down; Δ_k and the personal model up
+    "fedamp": ({}, FLOAT * (2 * D + 1), FLOAT * 2 * D),
+    # M = 3 components down (θ_0 = w, θ_1, θ_2); Δθ_0 and the trained θ_1, θ_2 up
+    "fedem": ({"num_components": 3}, FLOAT * 3 * D, FLOAT * 3 * D),
+    # the generated model h(v_i; φ) down (the hypernetwork stays on the server); Δθ_i up
+    "pfedhn": ({}, FLOAT * D, FLOAT * D),
+    # the whole model both ways: a client that has not trained starts from the global personal part, and the
+    # default aggregate averages the whole delta (personal part included) into the global model
+    "lg_fedavg": ({}, FLOAT * D, FLOAT * D),
+    "fedbn": ({}, FLOAT * BN_D, FLOAT * BN_D),
+    # the head is frozen but the default aggregate reads its (zero) delta
+    "fedbabu": ({}, FLOAT * D, FLOAT * D),
 }
 
 
@@ -185,9 +198,10 @@ def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, mess
         check_algorithm(cls, skip=ONLY_EXCHANGE)
 
 
-def test_check_exchange_passes_the_builtins_it_covers() -> None:
-    for name in ("scaffold", "cfl", "mocha"):
-        check_algorithm(name, skip=ONLY_EXCHANGE)
+@pytest.mark.parametrize("name", ["scaffold", "cfl", "mocha", "fedamp", "fedem", "pfedhn", "lg_fedavg", "fedbn",
+                                  "fedbabu"])
+def test_check_exchange_passes_the_builtins_it_covers(name: str) -> None:
+    check_algorithm(name, skip=ONLY_EXCHANGE)
 
 
 def test_engine_bytes_follow_the_codec() -> None:
