@@ -52,6 +52,7 @@ from lightning_fedmeta.options import (
     warn_if_optimizer_ignored,
 )
 from lightning_fedmeta.personal_model import personal_model
+from lightning_fedmeta.precision import drop_loss_scaler
 from lightning_fedmeta.privacy_budget import PrivacyBudget
 from lightning_fedmeta.private_fit import start_private_fit
 from lightning_fedmeta.reliability import Reliability
@@ -332,7 +333,9 @@ class FederatedModule(LightningModule):
     def on_train_start(self) -> None:
         """Under ``model.dp``: continue the model's privacy record and choose the noise source
         (:func:`~lightning_fedmeta.private_fit.start_private_fit`); after a resume, run the evaluation the
-        checkpoint was written before."""
+        checkpoint was written before. Under ``16-mixed`` the loss scaler is dropped
+        (:mod:`~lightning_fedmeta.precision`)."""
+        drop_loss_scaler(self.trainer)
         if self.reliability.dp is not None:
             self._budget = start_private_fit(self)
         run_pending_evaluation(self)
