@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import statistics
@@ -89,6 +90,9 @@ def quick_workloads() -> dict[str, Workload]:
     out = {name: replace(w, steps=1, batch=4) for name, w in WORKLOADS.items()}
     out["ResNet-18"] = replace(out["ResNet-18"], shape=(3, 16, 16))
     return out
+
+#: clients per vmap call, tried in order while the GPU runs out of memory (100 is FederatedModule's default)
+CHUNK_SIZES = (100, 25)
 
 PRECISION_ALGORITHMS = [
     ("Per-FedAvg HF", {"name": "perfedavg", "variant": "hf", "alpha": 0.01, "beta": 0.01}),
@@ -207,10 +211,21 @@ def time_project(device: str, work: Workload, clients: int, rounds: int, data: R
     L.seed_everything(0, verbose=False)
     dm = FederatedDataModule(dataset=data, num_clients=len(data.clients), eval_every=10**6)
     algorithm = {"name": "fedavg", "local_steps": steps, "batch_size": batch, "local_lr": lr}
-    with UtilisationSampler() as sampler:
-        _, _, timer = fit(device, build(), algorithm, dm, rounds, clients, "vmap", validate=False)
+    for chunk in CHUNK_SIZES:  # the default chunk first; smaller ones only when the GPU runs out of memory
+        try:
+            with UtilisationSampler() as sampler:
+                _, _, timer = fit(device, build(), algorithm, dm, rounds, clients, "vmap", validate=False,
+                                  client_chunk_size=chunk)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if chunk == CHUNK_SIZES[-1]:
+                raise
+        # the failed attempt's trainer and module hold the GPU until their reference cycles are collected
+        gc.collect()
+        torch.cuda.empty_cache()
     timed = timer.times[1:] if len(timer.times) > 1 else timer.times
     row: dict[str, Any] = {"s_per_round": statistics.median(timed), "first_round_s": timer.times[0],
+                           "client_chunk_size": chunk,
                            "final_loss": timer.losses[-1] if timer.losses else None}
     if device == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -274,17 +289,18 @@ def check_precisions(device: str, rounds: int, num_clients: int, per_round: int)
 # report
 # ------------------------------------------------------------------------------------------------
 def _speed_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| workload | clients/round | project s/round | rounds/s | peak GiB | GPU util % | plain loop s/round "
-             "| plain ÷ project |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | clients/round | chunk | project s/round | rounds/s | peak GiB | GPU util % "
+             "| plain loop s/round | plain ÷ project |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['workload']} | {r['clients_per_round']} |"
         if "skipped" in r or "error" in r:
-            lines.append(f"{head} {r.get('skipped') or 'ERROR: ' + r['error'][:150]} | | | | | |")
+            lines.append(f"{head} {r.get('skipped') or 'ERROR: ' + r['error'][:150]} | | | | | | |")
             continue
         p, q = r["project"], r["plain_loop"]
         scaled = f" (scaled from {q['timed_clients']})" if q["scaled"] else ""
-        lines.append(f"{head} {p['s_per_round']:.4f} | {1 / p['s_per_round']:.2f} | {fmt(p.get('peak_memory_gib'))} "
-                     f"| {fmt(p.get('gpu_utilisation'))} | {q['s_per_round']:.3f}{scaled} | "
+        lines.append(f"{head} {p.get('client_chunk_size')} | {p['s_per_round']:.4f} | {1 / p['s_per_round']:.2f} | "
+                     f"{fmt(p.get('peak_memory_gib'))} | {fmt(p.get('gpu_utilisation'))} | "
+                     f"{q['s_per_round']:.3f}{scaled} | "
                      f"{r['loop_over_project']:.1f}× |")
     return lines
 

@@ -73,12 +73,6 @@ def _stack(outputs: list[Any]) -> Any:
     return tree_unflatten([torch.stack([col[j] for col in columns]) for j in range(len(leaves0))], spec)
 
 
-def _cat(outputs: list[Any]) -> Any:
-    leaves0, spec = tree_flatten(outputs[0])
-    columns = [tree_flatten(o)[0] for o in outputs]
-    return tree_unflatten([torch.cat([col[j] for col in columns]) for j in range(len(leaves0))], spec)
-
-
 def run_clients(
     fn: Callable[..., Any],
     shared: tuple[Any, ...],
@@ -120,12 +114,20 @@ def run_clients(
     batched = vmap(fn, in_dims=in_dims, randomness="error")
     size = num_clients if chunk_size is None else max(1, chunk_size)
     label = label or getattr(fn, "__qualname__", "the client function")
-    chunks = []
+    if size >= num_clients:
+        return _call_batched(batched, (*shared, *_select(per_client, slice(0, num_clients))), label)
+    leaves: list[torch.Tensor] = []
+    spec = None
     for start in range(0, num_clients, size):
         sl = slice(start, min(start + size, num_clients))
-        args = (*shared, *_select(per_client, sl))
-        chunks.append(_call_batched(batched, args, label))
-    return chunks[0] if len(chunks) == 1 else _cat(chunks)
+        chunk, chunk_spec = tree_flatten(_call_batched(batched, (*shared, *_select(per_client, sl)), label))
+        if spec is None:  # the outputs of all clients, filled chunk by chunk: no list of chunks to concatenate
+            spec = chunk_spec
+            leaves = [torch.empty((num_clients, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in chunk]
+        for out, t in zip(leaves, chunk, strict=True):
+            out[sl].copy_(t)
+        del chunk
+    return tree_unflatten(leaves, spec)
 
 
 def _unbatchable_layers(model: nn.Module) -> list[str]:

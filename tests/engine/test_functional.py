@@ -56,3 +56,16 @@ def test_masked_rows_do_not_change_loss_or_gradient() -> None:
         torch.testing.assert_close(g_pad[k], g_real[k])
     stepped = tree_axpy(-0.5, g_real, params)
     torch.testing.assert_close(ctx.sgd_step(params, padded, 0.5)[0]["weight"], stepped["weight"])
+
+
+def test_weighted_sum_in_blocks_equals_the_whole_product(monkeypatch) -> None:
+    """Above the block threshold the sum runs over blocks of clients (no whole ``w·a`` temporary)."""
+    import lightning_fedmeta.functional as functional
+
+    g = torch.Generator().manual_seed(0)
+    stacked, weights = torch.randn(7, 3, 5, generator=g, dtype=torch.float64), torch.rand(7, generator=g)
+    whole = functional.weighted_sum(weights, stacked)
+    monkeypatch.setattr(functional, "WEIGHTED_SUM_BLOCK_ELEMENTS", 2 * 15)  # blocks of 2 clients
+    blocked = functional.weighted_sum(weights, stacked)
+    torch.testing.assert_close(blocked, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(blocked, torch.tensordot(weights.double(), stacked, dims=1), rtol=1e-12, atol=1e-12)
