@@ -64,6 +64,10 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "fedbn": ({}, FLOAT * BN_D, FLOAT * BN_D),
     # the head is frozen but the default aggregate reads its (zero) delta
     "fedbabu": ({}, FLOAT * D, FLOAT * D),
+    # w down, Δw up: APFL's v and α, FedALA's element-wise weights and FedRoD's personal head stay on the client
+    "apfl": ({}, FLOAT * D, FLOAT * D),
+    "fedala": ({}, FLOAT * D, FLOAT * D),
+    "fedrod": ({}, FLOAT * D, FLOAT * D),
 }
 
 
@@ -199,7 +203,7 @@ def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, mess
 
 
 @pytest.mark.parametrize("name", ["scaffold", "cfl", "mocha", "fedamp", "fedem", "pfedhn", "lg_fedavg", "fedbn",
-                                  "fedbabu"])
+                                  "fedbabu", "apfl", "fedala", "fedrod"])
 def test_check_exchange_passes_the_builtins_it_covers(name: str) -> None:
     check_algorithm(name, skip=ONLY_EXCHANGE)
 
