@@ -9,6 +9,12 @@ back), and a :class:`Codec` says how many bytes a tensor takes on the wire. For 
     up_i   = Σ_{t ∈ upload(out_i)}     codec.encoded_bytes(numel(t), dtype(t))      for i ∈ S_r, 0 for i ∈ C_r \\ S_r
 
 With :class:`PlainCodec` a tensor costs ``numel · itemsize`` bytes (its raw payload; framing is not counted).
+
+Under ``model.compression`` (:mod:`lightning_fedmeta.compression`) each direction has its own code, the one the
+compressor really sends: the upload's ``delta`` travels as ONE flat row of ``d = Σ numel`` values, so it costs
+``compressor.encoded_bytes(d)`` (QSGD's ``⌈d/b⌉`` float32 norms and ``⌈d·bits/8⌉`` level bytes; top-k's and
+random-k's ``k`` values and indices of the flat row), the rest of the upload stays plain; the download is
+``download(half(w), σ, i)``: the tensors the algorithm sends from the 16-bit model cost 2 bytes a value.
 :class:`TrafficCounter` keeps the run's cumulative sums in the engine's checkpointed state.
 """
 
@@ -21,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_fedmeta.compression import CompressionSpec, Compressor
 from lightning_fedmeta.state import flatten_state
 
 __all__ = [
@@ -30,6 +37,8 @@ __all__ = [
     "TrafficCounter",
     "payload_bytes",
     "round_traffic",
+    "sent_model",
+    "upload_bytes",
     "upload_of_client",
 ]
 
@@ -102,16 +111,41 @@ def _row(tree: Mapping[str, Any], i: int) -> dict[str, Any]:
     return {k: _row(v, i) if isinstance(v, Mapping) else v[i] for k, v in tree.items()}
 
 
+def upload_bytes(upload: Mapping[str, Any], codec: Codec | None = None, compressor: Compressor | None = None) -> int:
+    """One client's upload in bytes: without ``compressor`` :func:`payload_bytes`; with it the ``delta`` is one
+    flat row of ``d = Σ_t numel(t)`` values costing ``compressor.encoded_bytes(d)`` (how
+    :class:`~lightning_fedmeta.loop.compress.CompressionStage` and the Flower client send it), plus the rest of
+    the upload through ``codec``."""
+    if compressor is None or "delta" not in upload:
+        return int(payload_bytes(upload, codec))
+    d = sum(t.numel() for t in flatten_state(upload["delta"]).values())
+    rest = {k: v for k, v in upload.items() if k != "delta"}
+    return int(compressor.encoded_bytes(d)) + int(payload_bytes(rest, codec))
+
+
+def sent_model(params: Mapping[str, Tensor], compression: CompressionSpec | None) -> dict[str, Tensor]:
+    """The model as it travels down: its floating tensors in ``compression.download`` (16 bits), else as is."""
+    dtype = None if compression is None else compression.download
+    if dtype is None:
+        return dict(params)
+    return {n: p.to(dtype) if p.is_floating_point() else p for n, p in params.items()}
+
+
 def round_traffic(algorithm: Any, params: Mapping[str, Tensor], server_state: Mapping[str, Any], first: Any,
-                  candidates: Tensor, answered: Tensor, output: Any | None, codec: Codec | None = None) -> RoundTraffic:
-    """A round's :class:`RoundTraffic`: every candidate downloads ``download(params, server_state, first)`` (its
-    size does not depend on the client: :func:`~lightning_fedmeta.testing.check_algorithm` checks it), and every
-    candidate in ``answered`` uploads ``upload`` of its row of the stacked ``output`` (``None``: nobody answered).
+                  candidates: Tensor, answered: Tensor, output: Any | None, codec: Codec | None = None,
+                  compression: CompressionSpec | None = None) -> RoundTraffic:
+    """A round's :class:`RoundTraffic`: every candidate downloads ``download(sent_model(params), server_state,
+    first)`` (its size does not depend on the client: :func:`~lightning_fedmeta.testing.check_algorithm` checks
+    it), and every candidate in ``answered`` uploads :func:`upload_bytes` of ``upload`` of its row of the stacked
+    ``output`` (``None``: nobody answered), the delta through ``compression.upload`` when one is set.
 
     ``first`` is one candidate's (unstacked) record; ``answered`` is a bool ``[n]`` mask over ``candidates``."""
     n = int(candidates.numel())
-    down_one = payload_bytes(algorithm.download(params, server_state, first), codec) if n else 0
-    up_one = payload_bytes(algorithm.upload(upload_of_client(output, 0)), codec) if output is not None else 0
+    down_tree = algorithm.download(sent_model(params, compression), server_state, first) if n else {}
+    down_one = payload_bytes(down_tree, codec) if n else 0
+    compressor = None if compression is None else compression.upload
+    up_one = upload_bytes(algorithm.upload(upload_of_client(output, 0)), codec, compressor) \
+        if output is not None else 0
     down = torch.full((n,), int(down_one), dtype=torch.int64)
     up = answered.cpu().to(torch.int64) * int(up_one)
     return RoundTraffic(up_bytes=up, down_bytes=down)

@@ -53,6 +53,8 @@ is False).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -108,6 +110,14 @@ class FedAMP(SimilarityRegularizedMTL):
         """No fixed similarity: FedAMP's weights are recomputed from the models in every client step
         (:meth:`prox_terms`); the inherited ``similarity`` matrix stays zero and unused."""
         return torch.zeros(num_clients, num_clients, dtype=torch.float64)
+
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Any]:
+        """w̄, u_k and c_k = λ/α (2d + 1 floats), u_k formed by the server from its copies of the models (its copy
+        of w_k is the personal model the client uploaded last, equal to the one the client keeps)."""
+        row = client.index.clamp(0, server_state[SEEN].shape[0] - 1)
+        copy = {"personal": {n: m[row] for n, m in server_state[MODELS].items()}}
+        coef, centre = self.prox_terms(params, copy, server_state, client)
+        return {"params": dict(params), "centre": centre, "coef": torch.as_tensor(coef)}
 
     def prox_terms(
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord

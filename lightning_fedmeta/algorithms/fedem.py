@@ -194,6 +194,10 @@ class FedEM(Algorithm):
             metrics={"loss": torch.stack(losses).sum()},
         )
 
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Tensor]:
+        """All M components: θ_0 (the global parameters) and θ_1..θ_{M−1} (the server state), M·d floats."""
+        return {"params": dict(params), COMPONENTS: dict(server_state.get(COMPONENTS, {}))}
+
     def aggregate(
         self,
         params: Params,

@@ -205,6 +205,15 @@ class PFedHN(Algorithm):
         trained, loss = local_sgd(ctx, theta, batches, self.local_lr)
         return ClientOutput(delta=tree_sub(trained, theta), state={}, extras={}, metrics={"loss": loss})
 
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Tensor]:
+        """The client's generated model ``θ_i = h(v_i; φ)`` (d floats; the hypernetwork stays on the server)."""
+        hnet = server_state[HNET]
+        return self._model(hnet, self._row(hnet, client.index), params)
+
+    def upload(self, output: ClientOutput) -> dict[str, Tensor]:
+        """``Δθ_i = θ̃_i − θ_i`` (d floats)."""
+        return {"delta": output.delta}
+
     def aggregate(
         self,
         params: Params,

@@ -7,6 +7,9 @@ Messages (built by :mod:`lightning_fedmeta.flower.server`; records in :mod:`~lig
 * ``train``: restore the client's state (the file of round ``state-round``, or the initial state), run the
   algorithm's ``client_update`` for the round and reply with ``delta``, ``state``, ``extras`` (``ArrayRecord``)
   and ``metrics`` (``MetricRecord`` with ``num-examples``); the new state is written to the state file first.
+  Under ``model.compression`` the ``delta`` record holds the compressed upload
+  (:func:`~lightning_fedmeta.flower.compressed.client_upload`: fewer bytes on the wire), top-k's residual is
+  kept in the node's state file next to the algorithm's state, and a 16-bit ``params`` record is cast back.
 * ``evaluate``: the personalised evaluation's sums (``MetricRecord``).
 
 The node's data is chosen by node config ``partition-id`` / ``num-partitions`` (and optionally ``client-data``, a
@@ -25,6 +28,7 @@ from flwr.clientapp import ClientApp
 
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of, node_setting
+from lightning_fedmeta.flower.compressed import RESIDUAL, client_upload
 from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
 from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
 from lightning_fedmeta.state import map_state
@@ -46,6 +50,9 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     content = msg.content
     config = content.config_records["config"]
     params = record_to_tree(content.array_records["params"])
+    if "params-dtype" in config:  # a 16-bit download (model.compression.download): float32(half(w)) as simulated
+        dtype = getattr(torch, str(config["params-dtype"]))
+        params = {n: p.to(dtype) if p.is_floating_point() else p for n, p in params.items()}
     server_state = record_to_tree(content.array_records["server-state"])
     record = record_to_client_record(content.array_records["record"])
     pop = record_to_tree(content.array_records["population"])
@@ -60,6 +67,7 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
         state = client.initial_state(record_to_tree(content.array_records["init-params"]), population)
     else:
         state = files.load(state_round)
+    state.pop(RESIDUAL, None)  # the top-k residual (read by _residual), not the algorithm's state
     width = int(pop["num_samples"].max())
     return config, params, server_state, state, record, width, files
 
@@ -84,6 +92,22 @@ def handle_query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"data": config, "label-counts": counts}), reply_to=msg)
 
 
+def _delta_record(client: LocalClient, delta: dict[str, Any], config: ConfigRecord,
+                  files: ClientStateFile) -> tuple[ArrayRecord, dict[str, Any]]:
+    """The reply's ``delta`` record (compressed under ``model.compression.upload``) and what the state file keeps
+    besides the algorithm's state (top-k's new residual ``e'``: the residual of round ``state-round``, zero before
+    the first aggregated round, so a round the server did not aggregate leaves no trace, as in simulation)."""
+    spec = client.cfg.compression()
+    compressor = None if spec is None else spec.upload
+    if compressor is None:
+        return tree_to_record(delta), {}
+    state_round = int(config["state-round"])
+    residual = files.load(state_round).get(RESIDUAL) if compressor.error_feedback and state_round >= 0 else None
+    record, kept = client_upload(compressor, delta, residual, client.cfg.seed, int(config["round"]),
+                                 client.partition_id)
+    return record, ({RESIDUAL: kept} if compressor.error_feedback else {})
+
+
 @app.train()
 def handle_train(msg: Message, context: Context) -> Message:
     """One round of the algorithm's ``client_update``; the new state is saved before the reply."""
@@ -91,14 +115,15 @@ def handle_train(msg: Message, context: Context) -> Message:
     config, params, server_state, state, record, width, files = _inputs(client, msg, context)
     round_idx = int(config["round"])
     out = client.train(round_idx, params, server_state, state, record, width)
-    files.save(round_idx, out.state)
+    delta_record, kept = _delta_record(client, out.delta, config, files)
+    files.save(round_idx, {**out.state, **kept})
     files.prune({int(config["state-round"]), round_idx})
     upload_state = bool(node_setting(context.node_config, context.run_config, "upload-client-state", True))
     state_out = out.state if upload_state else map_state(torch.zeros_like, out.state)
     metrics = {k: float(v) for k, v in out.metrics.items()}
     metrics["num-examples"] = int(record.num_samples)
     reply = RecordDict({
-        "delta": tree_to_record(out.delta),
+        "delta": delta_record,
         "state": tree_to_record(state_out),
         "extras": tree_to_record(out.extras),
         "metrics": MetricRecord(metrics),

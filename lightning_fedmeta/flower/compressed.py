@@ -16,15 +16,21 @@ simulation, bit for bit, for the same uniforms.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
 from torch import Tensor
 
-from lightning_fedmeta.compression import QSGD, Compressor, HalfPrecision, RandomK, TopK
+from lightning_fedmeta.compression import QSGD, Compressor, HalfPrecision, RandomK, TopK, compression_noise
+from lightning_fedmeta.state import flatten_state
 
-__all__ = ["encode_upload", "decode_upload", "payload_bytes_of"]
+__all__ = ["RESIDUAL", "client_upload", "decode_upload", "encode_upload", "payload_bytes_of", "upload_layout",
+           "wire_bytes"]
+
+#: the key of the top-k residual in a node's state file (next to the algorithm's state, saved per round)
+RESIDUAL = "compression-residual"
 
 
 def _pack(codes: Tensor, bits: int) -> Tensor:
@@ -62,9 +68,10 @@ def encode_upload(compressor: Compressor, row: Tensor, noise: Tensor | None = No
     return ArrayRecord(torch_state_dict={"values": values, "indices": index})
 
 
-def decode_upload(compressor: Compressor, record: ArrayRecord, numel: int) -> Tensor:
-    """The server's float32 row from a record :func:`encode_upload` wrote (``ValueError`` for a malformed one)."""
-    arrays = record.to_torch_state_dict()
+def decode_upload(compressor: Compressor, record: ArrayRecord | dict[str, Tensor], numel: int) -> Tensor:
+    """The server's float32 row from a record :func:`encode_upload` wrote, or its arrays (``ValueError`` for a
+    malformed one)."""
+    arrays = record if isinstance(record, dict) else record.to_torch_state_dict()
     if isinstance(compressor, HalfPrecision):
         half = arrays["half"]
         return (half.view(torch.bfloat16) if compressor.dtype == torch.bfloat16 else half).to(torch.float32)
@@ -87,3 +94,34 @@ def decode_upload(compressor: Compressor, record: ArrayRecord, numel: int) -> Te
 def payload_bytes_of(record: ArrayRecord) -> int:
     """Bytes of the arrays a record carries (without Flower's framing)."""
     return sum(t.numel() * t.element_size() for t in record.to_torch_state_dict().values())
+
+
+def upload_layout(compressor: Compressor, numel: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The arrays (name: shape, dtype) of an honest compressed upload of ``numel`` values (what the server's reply
+    check expects): the record :func:`encode_upload` writes for a zero row."""
+    zeros = torch.zeros(numel)
+    record = encode_upload(compressor, zeros, zeros)
+    return {k: (tuple(v.shape), v.dtype) for k, v in record.to_torch_state_dict().items()}
+
+
+def client_upload(compressor: Compressor, delta: dict[str, Tensor], residual: Tensor | None, seed: int,
+                  round_idx: int, client: int) -> tuple[ArrayRecord, Tensor | None]:
+    """A node's compressed ``delta`` record and its new top-k residual, as the simulation's
+    :class:`~lightning_fedmeta.loop.compress.CompressionStage` computes them: ``v = flat(Δ)`` (float32, in the
+    delta's key order), ``a = v + e`` with error feedback, the record of ``a`` (uniforms of
+    :func:`~lightning_fedmeta.compression.compression_noise` for ``(seed, round, client)``) and ``e' = a − â``."""
+    row = torch.cat([v.detach().cpu().reshape(-1) for v in flatten_state(delta).values()]).to(torch.float32)
+    noise = compression_noise(seed, round_idx, torch.tensor([client]), row.numel())[0] if compressor.random else None
+    if not compressor.error_feedback:
+        return encode_upload(compressor, row, noise), residual
+    corrected = row + (torch.zeros_like(row) if residual is None else residual)
+    record = encode_upload(compressor, corrected, noise)
+    return record, corrected - decode_upload(compressor, record, row.numel())
+
+
+def wire_bytes(content: Any) -> int:
+    """Bytes of a message's ``RecordDict`` serialised as Flower sends it (protobuf; the arrays as ``.npy``
+    buffers with their headers, the record and key names), without gRPC's own framing."""
+    from flwr.common.serde import recorddict_to_proto
+
+    return int(recorddict_to_proto(content).ByteSize())

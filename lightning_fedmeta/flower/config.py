@@ -47,7 +47,7 @@ EXECUTION_OPTIONS = ("client_batching", "client_chunk_size", "compile_clients")
 
 _MODULE_OPTIONS = (
     "clients_per_round", "fraction", "aggregation", "server_lr", "holdout_clients", "seed", "loss", "metrics",
-    "aggregator", "dp",
+    "aggregator", "dp", "compression",
 )
 
 
@@ -112,6 +112,12 @@ class DeploymentConfig:
     def seed(self) -> int:
         """The module's seed of every draw (``model.seed``)."""
         return int(self.module_options.get("seed", 0))
+
+    def compression(self) -> Any:
+        """``model.compression`` parsed (:func:`~lightning_fedmeta.compression.parse_compression`; ``None``: off)."""
+        from lightning_fedmeta.compression import parse_compression
+
+        return parse_compression(self.module_options.get("compression"))
 
     def build_model(self, data_spec: dict[str, Any]) -> nn.Module:
         """The network, initialised after ``torch.manual_seed(seed_everything)`` (the initial global model).
@@ -238,4 +244,5 @@ def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> None:
         ClientMetrics(metrics, 1)
     algorithm = cfg.algorithm()  # an unknown algorithm or hyper-parameter fails here, naming model.algorithm
     check_server_optimizer(algorithm, server_lr, cfg.server_optimizer_spec, None)
-    Reliability.from_options(aggregator=model.get("aggregator"), dp=model.get("dp"))
+    Reliability.from_options(aggregator=model.get("aggregator"), dp=model.get("dp"),
+                             compression=model.get("compression"))

@@ -7,6 +7,8 @@ A node is not trusted: whoever runs it controls every byte of its replies. A rep
               data description (task, classes, shapes, histogram length) equals the federation's
     train     delta / state / extras have exactly the keys, shapes and dtypes an honest client's output has
               (:func:`honest_output`: the algorithm's client_update run once by the server) and finite values;
+              under model.compression the delta record holds the compressed arrays an honest node sends
+              (:func:`~lightning_fedmeta.flower.compressed.upload_layout`), decoded to a finite delta;
               its metrics are exactly the algorithm's, finite, and num-examples is the partition's known size
     evaluate  total is the partition's test size, every sum is finite and within what the metric allows
 
@@ -25,6 +27,7 @@ from flwr.app import RecordDict
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
+from lightning_fedmeta.compression import Compressor
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
 __all__ = ["RejectedReply", "ReplySpec", "check_eval_reply", "check_query_reply", "check_train_reply",
@@ -91,9 +94,34 @@ def _numbers(content: RecordDict, keys: set[str]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items()}
 
 
-def check_train_reply(content: RecordDict, spec: ReplySpec, num_samples: int) -> ClientOutput:
-    """The reply's :class:`ClientOutput`, or :class:`RejectedReply` (see the module docstring)."""
-    delta = _tree(content, "delta", spec.delta)
+def _compressed_delta(content: RecordDict, spec: TreeSpec, compressor: Compressor) -> dict[str, Any]:
+    """The delta decoded from a compressed ``delta`` record (:mod:`lightning_fedmeta.flower.compressed`), in the
+    shapes and dtypes of ``spec``; :class:`RejectedReply` when its arrays are not an honest node's or it decodes to
+    a non-finite row."""
+    from lightning_fedmeta.flower.compressed import decode_upload, upload_layout
+
+    numel = sum(math.prod(shape) for shape, _ in spec.values())
+    arrays = flatten_state(_tree(content, "delta", upload_layout(compressor, numel)))
+    try:
+        row = decode_upload(compressor, arrays, numel)
+    except (ValueError, IndexError, RuntimeError) as exc:
+        raise RejectedReply(f"delta is not a {compressor.describe()} upload of {numel} values ({exc})") from exc
+    if not bool(torch.isfinite(row).all()):
+        raise RejectedReply(f"delta ({compressor.describe()}) decodes to non-finite values")
+    flat, start = {}, 0
+    for key, (shape, dtype) in spec.items():
+        size = math.prod(shape)
+        flat[key] = row[start:start + size].reshape(shape).to(dtype)
+        start += size
+    return unflatten_state(flat)
+
+
+def check_train_reply(content: RecordDict, spec: ReplySpec, num_samples: int,
+                      compressor: Compressor | None = None) -> ClientOutput:
+    """The reply's :class:`ClientOutput`, or :class:`RejectedReply` (see the module docstring); with
+    ``compressor`` (``model.compression.upload``) the delta is decoded from its compressed record."""
+    delta = _tree(content, "delta", spec.delta) if compressor is None else \
+        _compressed_delta(content, spec.delta, compressor)
     state = _tree(content, "state", spec.state)
     extras = _tree(content, "extras", spec.extras)
     metrics = _numbers(content, set(spec.metrics) | {"num-examples"})

@@ -36,7 +36,10 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.communication import TrafficCounter, payload_bytes, sent_model, upload_bytes
+from lightning_fedmeta.compression import check_composition
 from lightning_fedmeta.dp_draws import SecretDraws
+from lightning_fedmeta.flower.compressed import wire_bytes
 from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
 from lightning_fedmeta.flower.records import client_record_to_record, tree_to_record
 from lightning_fedmeta.flower.replies import (
@@ -54,7 +57,7 @@ from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, che
 from lightning_fedmeta.loop.stages import ServerContext, Uploads
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
 from lightning_fedmeta.privacy_budget import PrivacyBudget
-from lightning_fedmeta.reliability import Reliability
+from lightning_fedmeta.reliability import Reliability, uploads_delta
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
 __all__ = ["DeploymentServer", "GridLike", "NODE_UNAVAILABLE", "RETRYABLE"]
@@ -145,6 +148,9 @@ class DeploymentServer:
         self.exchanged: dict[int, Message] = {}  # the last exchange's replies, before their check
         self.failures: list[dict[str, Any]] = []
         self.round = 0
+        self.compression = cfg.compression()  # model.compression: the nodes compress, the server decodes
+        self.traffic = TrafficCounter()  # the counted bytes, cumulative (docs/communication.md, "On Flower")
+        self.wire = {"up": 0, "down": 0}  # the round's serialised train messages and replies
 
     # ------------------------------------------------------------------------------------------
     # nodes
@@ -248,6 +254,9 @@ class DeploymentServer:
                                      options.get("aggregation", "samples"), reliability)
         self.federation.bind(self.counts, self.algorithm, str(spec["task"]))
         self.pipeline = ServerPipeline.from_reliability(reliability)
+        if self.compression is not None:
+            check_composition(self.compression, algorithm_name=self.algorithm.name or type(self.algorithm).__name__,
+                              uploads_delta=uploads_delta(self.algorithm), aggregator=reliability.aggregator.name)
         self.dp_clip = math.inf if reliability.dp is None else float(reliability.dp.clip)
         # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds
         self.draws = SecretDraws() if reliability.dp is not None and reliability.dp.secure_mode else None
@@ -293,7 +302,7 @@ class DeploymentServer:
             "server_state": flatten_state(self.server_state), "seen": self.federation.seen.clone(),
             "dp_clip": self.dp_clip,
             "state_round": self.state_round.clone(), "history": self.history, "failures": self.failures,
-            "num_clients": self.num_clients, "counts": self.counts.clone(),
+            "num_clients": self.num_clients, "counts": self.counts.clone(), "traffic": self.traffic.state_dict(),
         }
 
     def save(self, path: str) -> None:
@@ -322,6 +331,7 @@ class DeploymentServer:
         self.history = list(saved["history"])
         self.failures = list(saved["failures"])
         self.round = int(saved["round"])
+        self.traffic.load_state_dict(saved.get("traffic"))
         self.run_key = str(saved["run_key"])
         self.run_token = str(saved.get("run_token") or self.run_token)
         self.log(f"[fedmeta] resumed from {path} at round {self.round} (state key {self.run_key})")
@@ -330,11 +340,13 @@ class DeploymentServer:
     # messages
     # ------------------------------------------------------------------------------------------
     def _content(self, round_idx: int, pid: int) -> RecordDict:
+        config = ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
+                               "run-token": self.run_token, "state-round": int(self.state_round[pid])})
+        if self.compression is not None and self.compression.download is not None:
+            config["params-dtype"] = str(next(iter(self.params().values())).dtype).removeprefix("torch.")
         content = RecordDict({
-            "config": ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
-                                    "run-token": self.run_token,
-                                    "state-round": int(self.state_round[pid])}),
-            "params": tree_to_record(self.params()),
+            "config": config,
+            "params": tree_to_record(sent_model(self.params(), self.compression)),
             "server-state": tree_to_record(self.server_state),
             "record": client_record_to_record(ClientRecord(*(t[0] for t in self.records(torch.tensor([pid]))))),
             "population": self.population,
@@ -370,6 +382,8 @@ class DeploymentServer:
         """Push one message per partition, then pull the replies until all are in, the reply timeout, or a
         partition's node is replaced. Returns the good replies and the partitions to send again."""
         messages = [Message(self._content(round_idx, p), dst_node_id=n, message_type=kind) for p, n in targets.items()]
+        if kind == "train":
+            self.wire["down"] += sum(wire_bytes(m.content) for m in messages)
         ids = list(self.grid.push_messages(messages))
         outstanding = {mid: pid for mid, pid in zip(ids, targets, strict=True) if mid}
         for pid in sorted(set(targets) - set(outstanding.values())):
@@ -385,6 +399,7 @@ class DeploymentServer:
                     continue
                 if not reply.has_error():
                     replies[pid] = reply
+                    self.wire["up"] += wire_bytes(reply.content) if kind == "train" else 0
                 elif reply.error.code in RETRYABLE and not last:
                     self.log(f"[fedmeta] round {round_idx}: node {targets[pid]} (partition {pid}) is unavailable "
                              f"(error {reply.error.code}); sending again to its partition's node")
@@ -429,10 +444,13 @@ class DeploymentServer:
         """One round (see the module docstring); returns its log entry (``rejected_replies``: replies that failed
         :func:`~lightning_fedmeta.flower.replies.check_train_reply`, each logged with its node and reason)."""
         sampled = self.sampled(round_idx)
+        self.wire = {"up": 0, "down": 0}
+        down_one = self.download_bytes(sampled)
         outputs = self._checked("train", round_idx, self.exchange("train", round_idx, sampled.tolist()))
         answered = torch.tensor(sorted(outputs), dtype=torch.long)
         entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist(),
                                  "rejected_replies": len(self.exchanged) - len(outputs)}
+        entry["comm"] = self.count_traffic(sampled, down_one, [outputs[int(p)] for p in answered])
         if answered.numel() == 0 and self.federation.reliability.dp is not None:
             noise = noise_only_uploads(self.pipeline, self._server_context(round_idx, answered))
             self._commit(round_idx, answered, noise, entry)
@@ -463,6 +481,26 @@ class DeploymentServer:
         self.log(f"[fedmeta] round {round_idx}: clients {answered.tolist()} of {sampled.tolist()} aggregated; "
                  + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
         return entry
+
+    def download_bytes(self, sampled: Tensor) -> int:
+        """One client's counted download, ``payload_bytes(download(sent_model(w), σ, i))`` (the simulation's
+        count, :func:`~lightning_fedmeta.communication.round_traffic`); 0 without clients."""
+        if sampled.numel() == 0:
+            return 0
+        first = ClientRecord(*(t[0] for t in self.records(sampled[:1])))
+        return int(payload_bytes(self.algorithm.download(sent_model(self.params(), self.compression),
+                                                         self.server_state, first)))
+
+    def count_traffic(self, sampled: Tensor, down_one: int, outs: list[ClientOutput]) -> dict[str, int]:
+        """The round's counted bytes as the simulation counts them (every sampled client downloads, every
+        accepted reply uploads :func:`~lightning_fedmeta.communication.upload_bytes` of its output), the
+        cumulative sums, and ``comm/wire_*``: the serialised train messages and replies actually exchanged."""
+        compressor = None if self.compression is None else self.compression.upload
+        up = sum(upload_bytes(self.algorithm.upload(out), None, compressor) for out in outs)
+        down = int(sampled.numel()) * down_one
+        self.traffic.up, self.traffic.down = self.traffic.up + up, self.traffic.down + down
+        return {"comm/up_bytes": up, "comm/down_bytes": down, **self.traffic.cumulative(),
+                "comm/wire_up_bytes": self.wire["up"], "comm/wire_down_bytes": self.wire["down"]}
 
     def _commit(self, round_idx: int, answered: Tensor, uploads: Uploads, entry: dict[str, Any]) -> None:
         """The server step and the round's bookkeeping (seen, state rounds, DP clip)."""
@@ -501,7 +539,8 @@ class DeploymentServer:
             try:
                 if kind == "train":
                     assert self.reply_spec is not None
-                    accepted[pid] = check_train_reply(reply.content, self.reply_spec, int(self.counts[pid]))
+                    accepted[pid] = check_train_reply(reply.content, self.reply_spec, int(self.counts[pid]),
+                                                      None if self.compression is None else self.compression.upload)
                 else:
                     accepted[pid] = check_eval_reply(reply.content, names, int(self.info[pid]["num-test"]))
             except RejectedReply as exc:

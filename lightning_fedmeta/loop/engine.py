@@ -342,7 +342,7 @@ class RoundEngine:
             torch.zeros(candidates.numel(), dtype=torch.bool)
         first = ClientRecord(*(t[0] for t in self.records(candidates[:1]))) if candidates.numel() else None
         traffic = round_traffic(self.algorithm, self.global_params(), self.server_state, first, candidates, answered,
-                                None if result is None else result.output, self.codec)
+                                None if result is None else result.output, self.codec, self.compression.spec)
         self.traffic.add(traffic)
         return traffic
 

@@ -24,6 +24,7 @@ F, H, C = 5, 8, 3  # the kit's MLP: Linear(5, 8) -> Tanh -> Linear(8, 3)
 D = (F * H + H) + (H * C + C)  # d = 75 floats
 FLOAT, LONG = 4, 8  # float32 and int64 bytes
 MOCHA_D = C * (F + 1)  # MOCHA's linear model: one row of F weights and a bias per class
+BN_D = (F * H + H) + 2 * H + (H * C + C)  # FedBN's example model: Linear(5, 8) -> BatchNorm1d(8) -> Linear(8, 3)
 
 # (algorithm, arguments) -> (bytes down, bytes up) per client and round, counted by hand from the exchange
 HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
@@ -51,6 +52,22 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "mtl_graph": ({"knn": 2}, FLOAT * (2 * D + 1), FLOAT * 2 * D),
     # the task model, the SDCA scale and the round counter down; Δv and the local gap up
     "mocha": ({}, FLOAT * (MOCHA_D + 1) + LONG, FLOAT * (MOCHA_D + 1)),
+    # w̄, the attention-weighted cloud model u_k and c_k = λ/α down; Δ_k and the personal model up
+    "fedamp": ({}, FLOAT * (2 * D + 1), FLOAT * 2 * D),
+    # M = 3 components down (θ_0 = w, θ_1, θ_2); Δθ_0 and the trained θ_1, θ_2 up
+    "fedem": ({"num_components": 3}, FLOAT * 3 * D, FLOAT * 3 * D),
+    # the generated model h(v_i; φ) down (the hypernetwork stays on the server); Δθ_i up
+    "pfedhn": ({}, FLOAT * D, FLOAT * D),
+    # the whole model both ways: a client that has not trained starts from the global personal part, and the
+    # default aggregate averages the whole delta (personal part included) into the global model
+    "lg_fedavg": ({}, FLOAT * D, FLOAT * D),
+    "fedbn": ({}, FLOAT * BN_D, FLOAT * BN_D),
+    # the head is frozen but the default aggregate reads its (zero) delta
+    "fedbabu": ({}, FLOAT * D, FLOAT * D),
+    # w down, Δw up: APFL's v and α, FedALA's element-wise weights and FedRoD's personal head stay on the client
+    "apfl": ({}, FLOAT * D, FLOAT * D),
+    "fedala": ({}, FLOAT * D, FLOAT * D),
+    "fedrod": ({}, FLOAT * D, FLOAT * D),
 }
 
 
@@ -185,9 +202,10 @@ def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, mess
         check_algorithm(cls, skip=ONLY_EXCHANGE)
 
 
-def test_check_exchange_passes_the_builtins_it_covers() -> None:
-    for name in ("scaffold", "cfl", "mocha"):
-        check_algorithm(name, skip=ONLY_EXCHANGE)
+@pytest.mark.parametrize("name", ["scaffold", "cfl", "mocha", "fedamp", "fedem", "pfedhn", "lg_fedavg", "fedbn",
+                                  "fedbabu", "apfl", "fedala", "fedrod"])
+def test_check_exchange_passes_the_builtins_it_covers(name: str) -> None:
+    check_algorithm(name, skip=ONLY_EXCHANGE)
 
 
 def test_engine_bytes_follow_the_codec() -> None:
@@ -201,3 +219,36 @@ def test_engine_bytes_follow_the_codec() -> None:
     module.engine.codec = HalfCodec()
     (traffic,) = _rounds(module, 0, 1)
     assert traffic.up_bytes.tolist() == [2 * D] * 3 and traffic.down_bytes.tolist() == [2 * D] * 3
+
+
+# model.compression -> (bytes down, bytes up) per fedavg client, by hand on the flat row of d = 75 values
+COMPRESSED_COUNTS: dict[str, tuple[Any, int, int]] = {
+    "float16": ("float16", FLOAT * D, 2 * D),
+    "bfloat16_both": ({"upload": "bfloat16", "download": "bfloat16"}, 2 * D, 2 * D),
+    # one bucket: one float32 norm, 75 one-byte levels
+    "qsgd8": ({"upload": "qsgd", "bits": 8}, FLOAT * D, 4 * 1 + 75),
+    # ⌈75/32⌉ = 3 buckets on the flat row (not per tensor: 4 tensors would make 4 + 1 + 1 + 1 = 7): 3 norms, ⌈300/8⌉
+    "qsgd4_buckets": ({"upload": "qsgd", "bits": 4, "bucket_size": 32}, FLOAT * D, 4 * 3 + 38),
+    # k = ⌈7.5⌉ = 8 float32 values and the cheaper of 8 int32 indices (32) and a ⌈75/8⌉ = 10-byte bitmap
+    "topk": ({"upload": "topk", "fraction": 0.1, "download": "float16"}, 2 * D, 8 * 4 + 10),
+    # k = ⌈37.5⌉ = 38 values and a 10-byte bitmap
+    "randomk": ({"upload": "randomk", "fraction": 0.5}, FLOAT * D, 38 * 4 + 10),
+}
+
+
+@pytest.mark.parametrize("label", sorted(COMPRESSED_COUNTS))
+def test_bytes_follow_the_configured_compressors(label: str) -> None:
+    option, down, up = COMPRESSED_COUNTS[label]
+    module = _module("fedavg", {}, compression=option)
+    spec = module.engine.compression.spec
+    for traffic in _rounds(module, 0, 2):
+        assert traffic.totals() == {"comm/up_bytes": 3 * up, "comm/down_bytes": 3 * down}
+    if spec.upload is not None:  # what the compressor itself says it sends for the flat upload
+        assert up == spec.upload.encoded_bytes(D)
+
+
+def test_a_16_bit_download_halves_only_what_comes_from_the_model() -> None:
+    module = _module("scaffold", {}, compression={"download": "float16"})
+    (traffic,) = _rounds(module, 0, 1)
+    assert traffic.down_bytes.tolist() == [2 * D + FLOAT * D] * 3  # w in 16 bits, SCAFFOLD's c in float32
+    assert traffic.up_bytes.tolist() == [FLOAT * 2 * D] * 3
