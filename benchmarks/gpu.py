@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import math
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -39,6 +39,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -201,32 +202,22 @@ def time_plain_loop(device: str, work: Workload, clients: int, loop_clients: int
     return {"s_per_round": per_round, "timed_clients": timed_clients, "scaled": timed_clients != clients}
 
 
-def time_project(device: str, work: Workload, clients: int, rounds: int, data: RandomImages) -> dict[str, Any]:
-    """The project's default path (FederatedModule, vmap, eager) on the workload: median s/round after one
-    warm-up round, peak memory, utilisation during the timed rounds."""
-    build, steps, batch, lr = work.build, work.steps, work.batch, work.lr
+def time_project(device: str, work: Workload, clients: int, rounds: int, data: RandomImages,
+                 chunk: int) -> dict[str, Any]:
+    """The project's default path (FederatedModule, vmap, eager, ``chunk`` clients per vmap call) on the workload:
+    median s/round after one warm-up round, peak memory, utilisation during the timed rounds."""
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     L.seed_everything(0, verbose=False)
     dm = FederatedDataModule(dataset=data, num_clients=len(data.clients), eval_every=10**6)
-    algorithm = {"name": "fedavg", "local_steps": steps, "batch_size": batch, "local_lr": lr}
-    for chunk in CHUNK_SIZES:  # the default chunk first; smaller ones only when the GPU runs out of memory
-        try:
-            with UtilisationSampler() as sampler:
-                _, _, timer = fit(device, build(), algorithm, dm, rounds, clients, "vmap", validate=False,
-                                  client_chunk_size=chunk)
-            break
-        except torch.cuda.OutOfMemoryError:
-            if chunk == CHUNK_SIZES[-1]:
-                raise
-        # the failed attempt's trainer and module hold the GPU until their reference cycles are collected
-        gc.collect()
-        torch.cuda.empty_cache()
+    algorithm = {"name": "fedavg", "local_steps": work.steps, "batch_size": work.batch, "local_lr": work.lr}
+    with UtilisationSampler() as sampler:
+        _, _, timer = fit(device, work.build(), algorithm, dm, rounds, clients, "vmap", validate=False,
+                          client_chunk_size=chunk)
     timed = timer.times[1:] if len(timer.times) > 1 else timer.times
     row: dict[str, Any] = {"s_per_round": statistics.median(timed), "first_round_s": timer.times[0],
-                           "client_chunk_size": chunk,
-                           "final_loss": timer.losses[-1] if timer.losses else None}
+                           "client_chunk_size": chunk, "final_loss": timer.losses[-1] if timer.losses else None}
     if device == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if len(timer.starts) > 1:
@@ -234,10 +225,42 @@ def time_project(device: str, work: Workload, clients: int, rounds: int, data: R
     return row
 
 
-def check_speed(device: str, workloads: dict[str, Workload], clients_list: list[int], rounds: int, loop_clients: int,
+def _isolated_project_row(device: str, workload: str, quick: bool, clients: int, rounds: int, train: int,
+                          chunk: int) -> dict[str, Any]:
+    """:func:`time_project` in a fresh process (its own data, same seed): a row that runs out of GPU memory leaves
+    nothing behind for the next attempt or row."""
+    warnings.filterwarnings("ignore")
+    work = (quick_workloads() if quick else WORKLOADS)[workload]
+    data = RandomImages(clients, work.shape, work.classes, train=train)
+    return time_project(device, work, clients, rounds, data, chunk)
+
+
+def project_row(device: str, workload: str, quick: bool, clients: int, rounds: int, data: RandomImages,
+                isolate: bool) -> dict[str, Any]:
+    """The project's row at the default chunk of clients, then at smaller ones while the GPU runs out of memory
+    (:data:`CHUNK_SIZES`); on CUDA each attempt runs in a fresh process (``isolate``)."""
+    train = data.clients[0][0].shape[0]
+    for chunk in CHUNK_SIZES:
+        try:
+            if not isolate:
+                work = (quick_workloads() if quick else WORKLOADS)[workload]
+                return time_project(device, work, clients, rounds, data, chunk)
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                return pool.submit(_isolated_project_row, device, workload, quick, clients, rounds, train,
+                                   chunk).result()
+        except torch.OutOfMemoryError:
+            if chunk == CHUNK_SIZES[-1]:
+                raise
+    raise AssertionError("unreachable: the last chunk size returns or raises")
+
+
+def check_speed(device: str, names: list[str], quick: bool, clients_list: list[int], rounds: int, loop_clients: int,
                 deadline: float, train: int) -> list[dict[str, Any]]:
     rows = []
-    for workload, work in workloads.items():
+    workloads = quick_workloads() if quick else WORKLOADS
+    for workload in names:
+        work = workloads[workload]
         data = RandomImages(max(clients_list), work.shape, work.classes, train=train)
         for clients in clients_list:
             row: dict[str, Any] = {"workload": workload, "clients_per_round": clients, "device": device}
@@ -246,7 +269,7 @@ def check_speed(device: str, workloads: dict[str, Workload], clients_list: list[
                 rows.append(row)
                 continue
             try:
-                row["project"] = time_project(device, work, clients, rounds, data)
+                row["project"] = project_row(device, workload, quick, clients, rounds, data, isolate=device == "cuda")
                 row["plain_loop"] = time_plain_loop(device, work, clients, loop_clients, min(rounds, 3), data)
                 row["loop_over_project"] = row["plain_loop"]["s_per_round"] / row["project"]["s_per_round"]
             except Exception as exc:  # noqa: BLE001 - recorded, the other rows go on
@@ -382,8 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                   3 if quick else 10)),
         ("precision", lambda: check_precisions(args.device, 1 if quick else 20, 6 if quick else 30,
                                                3 if quick else 10)),
-        ("speed", lambda: check_speed(args.device, {k: v for k, v in (quick_workloads() if quick else WORKLOADS).items()
-                                                    if k in args.workloads},
+        ("speed", lambda: check_speed(args.device, args.workloads, quick,
                                       [2, 3] if quick else [10, 100, 1000], 2 if quick else 4,
                                       2 if quick else args.loop_clients, start + args.budget, 12 if quick else 64)),
     ]

@@ -50,3 +50,13 @@ def test_failures_are_collected_from_every_section() -> None:
            "speed": [{"workload": "CNN", "clients_per_round": 10, "error": "OutOfMemoryError"}]}
     failures = gpu.collect_failures(res)
     assert len(failures) == 3 and "16-mixed" in failures[1] and "OutOfMemoryError" in failures[2]
+
+
+def test_a_row_runs_in_a_fresh_process_as_on_the_gpu() -> None:
+    """On CUDA each speed row runs in a spawned process (an out-of-memory attempt leaves nothing behind): the same
+    numbers as in process, on the CPU."""
+    data = gpu.RandomImages(2, (1, 28, 28), 10, train=12)
+    isolated = gpu.project_row("cpu", "W", True, 2, 2, data, isolate=True)
+    in_process = gpu.project_row("cpu", "W", True, 2, 2, data, isolate=False)
+    assert isolated["client_chunk_size"] == gpu.CHUNK_SIZES[0]
+    assert isolated["final_loss"] == in_process["final_loss"]  # same seed, same data: the same run
