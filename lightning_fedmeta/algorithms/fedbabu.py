@@ -7,7 +7,8 @@ initialisation, for the whole of training. Client i, receiving φ:
 
     φ_i⁰ = φ,   φ_iᵗ = φ_iᵗ⁻¹ − η ∇_φ F_i(φ_iᵗ⁻¹, h⁰; Dₜ),   t = 1..τ      (the head is not updated),
 
-and uploads Δφ_i = φ_i^τ − φ (the head is not sent). Server: φ ← φ + β Σ_{i∈S} p_i (φ_i^τ − φ); h stays h⁰. Personalisation, before
+and uploads Δφ_i = φ_i^τ − φ (the head is not sent).
+Server: φ ← φ + β Σ_{i∈S} p_i (φ_i^τ − φ); h stays h⁰. Personalisation, before
 every evaluation: ``finetune_steps`` SGD steps on the whole model (body and head) from (φ, h⁰) on the client's
 training data, (φ_i, h_i) ← (φ_i, h_i) − η_f ∇F_i(φ_i, h_i; Dₜ).
 
@@ -45,7 +46,7 @@ from torch import Tensor
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.algorithms.shared_representation import head_names
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["FedBABU", "body_sgd"]
 
@@ -152,7 +153,7 @@ class FedBABU(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> Params:
-        """``finetune_steps`` SGD steps on the whole model from (φ, h⁰), for every client alike."""
+        """``finetune_steps`` SGD steps on the whole model from the global (φ, h⁰), for every client alike."""
         self.head(params)  # refuse a head_prefix that does not fit the model before adapting
-        return self.finetune(ctx, self.with_head(params, state), batches)
+        return self.finetune(ctx, params, batches)  # the global head is h⁰ too (its Δ is 0)
 

@@ -8,7 +8,8 @@ InstanceNorm, RMSNorm: γ, β) and the rest θ. Client i, receiving θ only, tra
 
 keeps π_i^τ (and its BatchNorm running statistics μ_i, σ²_i) and uploads Δθ_i = θ_i^τ − θ only. The server
 averages θ as FedAvg does, θ ← θ + β Σ_{i∈S} p_i (θ_i^τ − θ); the normalisation parameters never travel, and a
-client that has not trained starts from the initial π⁰, received once with the initial model (see :mod:`~lightning_fedmeta.algorithms.personal_layers_common`). Client i is evaluated with
+client that has not trained starts from the initial π⁰, received once with the initial model
+(see :mod:`~lightning_fedmeta.algorithms.personal_layers_common`). Client i is evaluated with
 (θ, π_i) and its own running statistics. On a model without normalisation layers FedBN is FedAvg.
 
 Which parameters are normalisation parameters: with ``norm_prefix`` (a prefix or a list), the names equal to a

@@ -25,9 +25,9 @@ from abc import abstractmethod
 
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_zeros_like
+from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["PERSONAL", "PersonalLayers"]
 
@@ -71,8 +71,10 @@ class PersonalLayers(Algorithm):
     def personal_start(
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
     ) -> Params:
-        """``(θ, π_i)``: the global shared part with the client's personal part (π⁰ while it has not trained)."""
-        return {**params, **self.own_personal(params, state, client)}
+        """``(θ, π_i)`` for evaluation: the client's π_i once it has trained, the global personal part otherwise
+        (which stays π⁰: its Δ is 0), so a never-trained client does not read its stored state."""
+        _, personal = self.split(params)
+        return {**params, **started_from(client, self.own_personal(params, state, client), personal)}
 
     def check_model(self, ctx: ClientContext, params: Params) -> None:  # noqa: B027
         """Refuse, with a message, a model the split does not fit (default: nothing to check)."""
@@ -89,7 +91,8 @@ class PersonalLayers(Algorithm):
         """τ joint SGD steps from ``(θ, π_i)`` (one per batch); keep π_i^τ; Δ is θ_i^τ − θ on the shared part and
         0 on the personal part (which is not uploaded)."""
         self.check_model(ctx, params)
-        w, loss = local_sgd(ctx, self.personal_start(params, state, server_state, client), batches, self.local_lr)
+        start = {**params, **self.own_personal(params, state, client)}  # the global π is not sent: not read
+        w, loss = local_sgd(ctx, start, batches, self.local_lr)
         shared, personal = self.split(w)
         delta = {k: shared[k] - params[k] if k in shared else v.new_zeros(v.shape) for k, v in w.items()}
         return ClientOutput(delta, {PERSONAL: personal} if personal else {}, {}, {"loss": loss})
