@@ -7,7 +7,8 @@ initialisation, for the whole of training. Client i, receiving φ:
 
     φ_i⁰ = φ,   φ_iᵗ = φ_iᵗ⁻¹ − η ∇_φ F_i(φ_iᵗ⁻¹, h⁰; Dₜ),   t = 1..τ      (the head is not updated),
 
-and uploads Δ_i = (φ_i^τ − φ, 0). Server: φ ← φ + β Σ_{i∈S} p_i (φ_i^τ − φ); h stays h⁰. Personalisation, before
+and uploads Δφ_i = φ_i^τ − φ (the head is not sent).
+Server: φ ← φ + β Σ_{i∈S} p_i (φ_i^τ − φ); h stays h⁰. Personalisation, before
 every evaluation: ``finetune_steps`` SGD steps on the whole model (body and head) from (φ, h⁰) on the client's
 training data, (φ_i, h_i) ← (φ_i, h_i) − η_f ∇F_i(φ_i, h_i; Dₜ).
 
@@ -24,10 +25,14 @@ Where we differ from the authors' code (github.com/jhoon-oh/FedBABU, ``main_fed.
   every evaluation (nothing of it is kept). PFLlib's ``clientbabu`` fine-tunes once after the last round as well.
 * Their networks' BatchNorm layers do not track running statistics; ours keep them per client (the loop does, for
   every algorithm).
-* h stays h⁰ because every upload's head part is 0: a server optimizer with weight decay would still shrink it.
+* Exchange: only the body travels each round (down φ, up Δφ); the head h⁰ reaches a client once, with the
+  initial model (a one-off cost, as the architecture's weights are), and is kept in the client state (K copies of
+  the head in simulation). The global model's head stays h⁰ because its Δ is 0 (a server optimizer with weight
+  decay would still shrink the global copy, which no client reads). Robust rules, DP and upload compression
+  refuse FedBABU (its aggregate averages the body only).
 
 New clients: a held-out client is personalised as every client is, by ``finetune_steps`` steps on the whole model
-from (φ, h⁰); FedBABU keeps no client state, so a client that has trained and one that has not are treated alike.
+from (φ, h⁰); its only client state is h⁰, so a client that has trained and one that has not are treated alike.
 
 Common arguments: ``local_steps``, ``local_lr``, ``batch_size``: the body steps above, one per batch;
 ``finetune_steps`` (default 10 here: FedBABU is evaluated after fine-tuning; 0 evaluates (φ, h⁰), the paper's
@@ -41,9 +46,11 @@ from torch import Tensor
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.algorithms.shared_representation import head_names
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["FedBABU", "body_sgd"]
+
+HEAD = "head"
 
 
 def body_sgd(
@@ -88,6 +95,15 @@ class FedBABU(Algorithm):
         """The names of the head's parameters (:func:`head_names`)."""
         return set(head_names(list(params), self.head_prefix))
 
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        """``{"head": h⁰}``: the initial head, received once with the initial model (never per round)."""
+        head = self.head(params)
+        return {HEAD: {k: v.detach().clone() for k, v in params.items() if k in head}}
+
+    def with_head(self, params: Params, state: dict[str, Tensor]) -> Params:
+        """``(φ, h⁰)``: the global body with the client's copy of the initial head."""
+        return {**params, **state[HEAD]}
+
     def client_update(
         self,
         ctx: ClientContext,
@@ -97,10 +113,36 @@ class FedBABU(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        """τ body steps with the head fixed (:func:`body_sgd`); upload ``(φ_i − φ, 0)``."""
-        w, loss = body_sgd(ctx, params, self.head(params), batches, self.local_lr)
-        delta = tree_sub(w, params)
+        """τ body steps with the head fixed at h⁰ (:func:`body_sgd`); Δ = ``(φ_i − φ, 0)``, the body uploaded."""
+        head = self.head(params)
+        w, loss = body_sgd(ctx, self.with_head(params, state), head, batches, self.local_lr)
+        delta = {k: v.new_zeros(v.shape) if k in head else v - params[k] for k, v in w.items()}
         return ClientOutput(delta, state, {}, {"loss": loss})
+
+    # -- exchange and server (docs/communication.md) --------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Tensor]:
+        """The body φ; the head h⁰ came once with the initial model."""
+        head = self.head(params)
+        return {k: v for k, v in params.items() if k not in head}
+
+    def upload(self, output: ClientOutput) -> dict[str, object]:
+        """The body's Δ (the head's is 0 and not sent)."""
+        head = self.head(output.delta)
+        return {"delta": {k: v for k, v in output.delta.items() if k not in head}, "extras": output.extras}
+
+    def aggregate(
+        self,
+        params: Params,
+        outputs: ClientOutput,
+        weights: Tensor,
+        server_state: dict[str, Tensor],
+        clients: ClientRecord,
+    ) -> tuple[Params, dict[str, Tensor]]:
+        """``Δφ = Σ_i p_i Δφ_i``; 0 on the head."""
+        head = self.head(params)
+        body = {k: v for k, v in outputs.delta.items() if k not in head}
+        mean, state = super().aggregate(params, outputs._replace(delta=body), weights, server_state, clients)
+        return {k: mean[k] if k in mean else v.new_zeros(v.shape) for k, v in params.items()}, state
 
     def personalize(
         self,
@@ -113,5 +155,5 @@ class FedBABU(Algorithm):
     ) -> Params:
         """``finetune_steps`` SGD steps on the whole model from the global (φ, h⁰), for every client alike."""
         self.head(params)  # refuse a head_prefix that does not fit the model before adapting
-        return self.finetune(ctx, params, batches)
+        return self.finetune(ctx, params, batches)  # the global head is h⁰ too (its Δ is 0)
 

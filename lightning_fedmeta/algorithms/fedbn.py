@@ -2,13 +2,14 @@
 Non-IID Features via Local Batch Normalization", ICLR 2021, arXiv:2102.07623, Algorithm 1).
 
 The parameters split into the normalisation layers' affine parameters π (BatchNorm, GroupNorm, LayerNorm,
-InstanceNorm, RMSNorm: γ, β) and the rest θ. Client i, receiving (θ, π̄), trains both jointly from its own π_i:
+InstanceNorm, RMSNorm: γ, β) and the rest θ. Client i, receiving θ only, trains both jointly from its own π_i:
 
     (θ_i, π_i)⁰ = (θ, π_i),   (θ_i, π_i)ᵗ = (θ_i, π_i)ᵗ⁻¹ − η ∇F_i((θ_i, π_i)ᵗ⁻¹; Dₜ),   t = 1..τ,
 
-keeps π_i^τ (and its BatchNorm running statistics μ_i, σ²_i) and uploads Δ_i = (θ_i^τ − θ, π_i^τ − π̄). The server
-averages θ as FedAvg does, θ ← θ + β Σ_{i∈S} p_i (θ_i^τ − θ); π̄ ← π̄ + β Σ_{i∈S} p_i (π_i^τ − π̄) is read by no
-trained client (see :mod:`~lightning_fedmeta.algorithms.personal_layers_common`). Client i is evaluated with
+keeps π_i^τ (and its BatchNorm running statistics μ_i, σ²_i) and uploads Δθ_i = θ_i^τ − θ only. The server
+averages θ as FedAvg does, θ ← θ + β Σ_{i∈S} p_i (θ_i^τ − θ); the normalisation parameters never travel, and a
+client that has not trained starts from the initial π⁰, received once with the initial model
+(see :mod:`~lightning_fedmeta.algorithms.personal_layers_common`). Client i is evaluated with
 (θ, π_i) and its own running statistics. On a model without normalisation layers FedBN is FedAvg.
 
 Which parameters are normalisation parameters: with ``norm_prefix`` (a prefix or a list), the names equal to a
@@ -24,14 +25,15 @@ Where we differ from the authors' code (github.com/med-air/FedBN, ``federated/fe
   LayerNorm count). The running statistics are per-client state of the library's loop for every algorithm
   (``running_stats.py``), so FedBN adds only the affine parameters to it. (PFLlib's ``clientbn`` keeps only the
   parameters whose name contains ``bn``, and leaves the running statistics to the shared model.)
-* Their server never updates its own normalisation parameters (they stay at the initialisation); ours tracks the
-  weighted mean of the clients' (as PFLlib's server does), the start of a client that has not trained.
+* Their server never updates its own normalisation parameters (they stay at the initialisation), and neither does
+  ours: π⁰ is where a client that has not trained starts. (PFLlib's server averages them.) Because the aggregate
+  averages θ only, robust rules, DP and upload compression refuse FedBN.
 * They average with uniform weights over all clients every round (full participation); we use the round's
   weights p_i (``aggregation="samples"`` or ``"uniform"``) over the sampled clients.
 * Their local work is ``wk_iters`` epochs of SGD (lr 1e-2, batch 32); ours is the round's batches
   (``local_steps`` steps of ``batch_size``, the library's convention).
 
-New clients: a held-out client (or one not sampled yet) is evaluated with (θ, π̄) and the model's running
+New clients: a held-out client (or one not sampled yet) is evaluated with (θ, π⁰) and the model's running
 statistics (the mean of the last round's clients'); ``finetune_steps > 0`` fits them to its own training data
 (SGD on the whole model from there), which is how FedBN is meant to meet a new feature domain.
 

@@ -181,6 +181,11 @@ class FedDBE(Algorithm):
             metrics={"loss": mean_over_taken_steps(losses, batches)},
         )
 
+    # -- exchange (docs/communication.md) ------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, object]:
+        """The global model θ, the global mean ḡ ``[d]`` and its ``ready`` flag (one float)."""
+        return {"params": dict(params), GLOBAL_MEAN: server_state[GLOBAL_MEAN], READY: server_state[READY]}
+
     # -- server -------------------------------------------------------------------------------
     def aggregate(
         self,

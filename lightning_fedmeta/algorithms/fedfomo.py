@@ -55,6 +55,7 @@ __all__ = ["FedFomo", "first_order_combination"]
 PERSONAL = "personal"
 MODELS = "models"
 AFFINITY = "affinity"
+WEIGHTS = "weights"
 
 
 def first_order_combination(
@@ -154,21 +155,35 @@ class FedFomo(Algorithm):
         client: ClientRecord,
     ) -> ClientOutput:
         """Combine the top-M stored models on batch 0, then τ SGD steps on batches 1..τ; upload θ_i and w."""
-        own = started_from(client, state[PERSONAL], params)
-        affinity = server_state[AFFINITY]
-        row = torch.index_select(affinity, 0, client.index.reshape(1).long())[0]
-        m = min(self.models_per_client, affinity.shape[0])
-        chosen = torch.sort(row, descending=True, stable=True).indices[:m]
-        candidates = {k: torch.index_select(v, 0, chosen) for k, v in server_state[MODELS].items()}
+        own = state[PERSONAL]
+        candidates = self.download(params, server_state, client)[MODELS]
         combined, w = first_order_combination(ctx, own, candidates, batches.at(0, 0))
         rest = Batch(batches.x[1:], batches.y[1:], batches.mask[1:])
         trained, loss = local_sgd(ctx, combined, rest, self.local_lr)
         return ClientOutput(
             delta=tree_zeros_like(params),
             state={PERSONAL: trained},
-            extras={AFFINITY: torch.zeros_like(row).index_add(0, chosen, w.to(row.dtype))},
+            extras={WEIGHTS: w.to(server_state[AFFINITY].dtype)},
             metrics={"loss": loss},
         )
+
+    # -- exchange (docs/communication.md) ------------------------------------------------------
+    def selected(self, affinity: Tensor, index: Tensor) -> Tensor:
+        """The stored models sent to the clients ``index`` (``[..., M]``): the top-M of their rows of P, ties to
+        the lower client index (a stable sort). The server computes it at download and again at aggregation
+        (P changes only there), so the indices never travel."""
+        rows = torch.index_select(affinity, 0, index.reshape(-1).long())
+        m = min(self.models_per_client, affinity.shape[0])
+        return torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :m].reshape(*index.shape, m)
+
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Tensor]:
+        """The M selected stored models ``[M, ...]`` (in the order of :meth:`selected`); θ⁰ and P stay put."""
+        chosen = self.selected(server_state[AFFINITY], client.index)
+        return {MODELS: {k: torch.index_select(v, 0, chosen) for k, v in server_state[MODELS].items()}}
+
+    def upload(self, output: ClientOutput) -> dict[str, object]:
+        """The trained θ_i and the M raw weights w (in the order the models came); the zero Δ is not sent."""
+        return {"state": {PERSONAL: output.state[PERSONAL]}, "extras": {WEIGHTS: output.extras[WEIGHTS]}}
 
     # -- server -------------------------------------------------------------------------------
     def aggregate(
@@ -185,7 +200,10 @@ class FedFomo(Algorithm):
         new_state = dict(server_state)
         new_state[MODELS] = {n: stored[n].index_copy(0, idx, personal[n].to(stored[n])) for n in stored}
         affinity = server_state[AFFINITY]
-        new_state[AFFINITY] = affinity.index_add(0, idx, outputs.extras[AFFINITY].to(affinity))
+        chosen = self.selected(affinity, idx)  # [n, M]: what each client was sent
+        added = torch.zeros(idx.numel(), affinity.shape[1], dtype=affinity.dtype, device=affinity.device)
+        added = added.scatter(1, chosen, outputs.extras[WEIGHTS].to(affinity))
+        new_state[AFFINITY] = affinity.index_add(0, idx, added)
         return tree_zeros_like(params), new_state
 
     # -- evaluation ---------------------------------------------------------------------------

@@ -175,8 +175,9 @@ class FedProto(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        """τ steps of the FedProto objective from θ_i (θ⁰ on the first round); uploads the class prototypes."""
-        w = started_from(client, state[PERSONAL], params)
+        """τ steps of the FedProto objective from θ_i (its state: θ⁰ until it has trained); uploads the class
+        prototypes. The global parameters are not read (only their shapes, for the zero Δ): they never travel."""
+        w = state[PERSONAL]
         w, loss, sums, counts = self.local_steps_on(ctx, w, batches, server_state, self.local_lr)
         return ClientOutput(
             delta=tree_zeros_like(params),
@@ -184,6 +185,15 @@ class FedProto(Algorithm):
             extras={PROTOTYPES: sums / counts.clamp_min(1.0).unsqueeze(-1), "holds": (counts > 0).to(sums.dtype)},
             metrics={"loss": loss},
         )
+
+    # -- exchange (docs/communication.md) ------------------------------------------------------
+    def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Tensor]:
+        """The global prototypes ``[C, d]`` and their ``known`` flags ``[C]``; the model never travels."""
+        return {PROTOTYPES: server_state[PROTOTYPES], KNOWN: server_state[KNOWN]}
+
+    def upload(self, output: ClientOutput) -> dict[str, object]:
+        """The local prototypes ``[C, d]`` and the ``holds`` flags ``[C]`` (the Δ is 0 and not sent)."""
+        return {"extras": output.extras}
 
     # -- server -------------------------------------------------------------------------------
     def aggregate(

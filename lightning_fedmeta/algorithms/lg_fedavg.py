@@ -3,12 +3,13 @@ Morency, "Think Locally, Act Globally: Federated Learning with Local and Global 
 2020, Algorithm 1).
 
 The parameters split into global top layers θ (by default the last layer; ``global_prefix``) and local lower layers
-π_i, client i's representation. Client i, receiving (θ, π̄), trains both jointly from its own π_i:
+π_i, client i's representation. Client i, receiving θ only, trains both jointly from its own π_i:
 
     (θ_i, π_i)⁰ = (θ, π_i),   (θ_i, π_i)ᵗ = (θ_i, π_i)ᵗ⁻¹ − η ∇F_i((θ_i, π_i)ᵗ⁻¹; Dₜ),   t = 1..τ,
 
-keeps π_i^τ and uploads Δ_i = (θ_i^τ − θ, π_i^τ − π̄). The server averages the global layers,
-θ ← θ + β Σ_{i∈S} p_i (θ_i^τ − θ); π̄ ← π̄ + β Σ_{i∈S} p_i (π_i^τ − π̄) is read by no trained client. This is
+keeps π_i^τ and uploads Δθ_i = θ_i^τ − θ only. The server averages the global layers,
+θ ← θ + β Σ_{i∈S} p_i (θ_i^τ − θ); the local layers never travel (a client that has not trained starts from the
+initial π⁰, received once with the initial model). This is
 FedPer (:mod:`~lightning_fedmeta.algorithms.shared_representation`) with the split reversed: FedPer shares the body
 and keeps the head, LG-FedAvg keeps the body and shares the head (tested: the two agree when their personal parts
 are the same layers). The client is :class:`~lightning_fedmeta.algorithms.personal_layers_common.PersonalLayers`.
@@ -20,15 +21,16 @@ Where we differ from the authors' code (github.com/pliang279/LG-FedAvg, ``main_l
 * Each round they keep, per client, the local model with the best *test* accuracy so far and report those; we
   evaluate the current models (no model selection on test data).
 * Uniform weights 1/m over the m sampled clients; we use the round's p_i (``aggregation``).
+* The aggregate averages θ only, so robust rules, DP and upload compression refuse LG-FedAvg.
 * Local work: ``local_ep`` epochs of SGD with momentum 0.5; ours is the round's batches with plain SGD.
 * Global layers: their ``num_layers_keep`` top layers of the model's ``weight_keys`` list; ours are named by
   ``global_prefix`` (default: the last layer, their default ``num_layers_keep = 1``; the Fashion-MNIST config
   keeps the last two of three, as their MNIST script keeps 3 of 5). PFLlib's ``clientlg`` does the same with the
   model's ``head``.
 
-New clients: a held-out client (or one not sampled yet) is evaluated with (θ, π̄): the global layers on the mean of
-the clients' representations, close to the authors' "average of the local models" test for new devices (they
-also report an ensemble of the local models, which we do not build); ``finetune_steps > 0`` fits the whole model
+New clients: a held-out client (or one not sampled yet) is evaluated with (θ, π⁰): the global layers on the
+initial representation (the authors test new devices with the average of the local models, or their ensemble,
+which would need every π_i on the server; neither is built); ``finetune_steps > 0`` fits the whole model
 to its own training data first.
 
 Common arguments: ``local_steps``, ``local_lr``, ``batch_size``: the joint SGD above, one step per batch;

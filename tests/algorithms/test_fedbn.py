@@ -77,8 +77,8 @@ def test_fedbn_rounds_match_plain_pytorch_with_local_normalisation_parameters() 
         p = weight[sampled] / weight[sampled].sum()
         trained = {c: _plain_round(net, {**shared, **personal.get(c, {})}, *data.client_train(c), lr, steps)
                    for c in clients}
-        shared = {k: v + sum(float(p[i]) * (trained[c][k] - v) for i, c in enumerate(clients))
-                  for k, v in shared.items()}
+        shared = {k: v if k in NORM else v + sum(float(p[i]) * (trained[c][k] - v) for i, c in enumerate(clients))
+                  for k, v in shared.items()}  # the normalisation parameters are not sent: the global ones stay π⁰
         personal.update({c: {k: trained[c][k] for k in NORM} for c in clients})
     assert any(sum(c in r.tolist() for r in rounds) > 1 for c in range(6)), "the test needs a client sampled twice"
     got = module._global_params()

@@ -35,20 +35,24 @@ def test_lg_fedavg_passes_the_conformance_kit() -> None:
 
 
 def test_lg_fedavg_is_fedper_with_the_split_reversed() -> None:
-    """LG-FedAvg sharing the top layer == FedPer keeping the bottom layer: the same rounds on unequal clients,
-    3 of 5 training clients a round (one held out), and the same held-out evaluation."""
+    """LG-FedAvg sharing the top layer == FedPer keeping the bottom layer on the first round (3 of 5 unequal
+    training clients, all untrained, so both start from the initial local layers): the same global top layer and
+    client states. Later they differ only where FedPer starts an untrained client from the mean head and LG-FedAvg
+    from the initial local layers π⁰ (which it never sends); a held-out client is evaluated with (θ, π⁰)."""
     lg = _module({"name": "lg_fedavg", **COMMON})
     fedper = _module({"name": "fedper", "head_prefix": "0", **COMMON})
-    rounds = [run_plain_rounds(m, 4) for m in (lg, fedper)]
+    initial = {k: v.clone() for k, v in lg.model.state_dict().items()}
+    rounds = [run_plain_rounds(m, 1) for m in (lg, fedper)]
     assert all(torch.equal(a, b) for a, b in zip(*rounds, strict=True))
     for k, v in fedper.model.state_dict().items():
-        torch.testing.assert_close(lg.model.state_dict()[k], v, rtol=0, atol=1e-6)
+        expected = initial[k] if k in LOCAL else v  # LG-FedAvg's global local layers stay π⁰
+        torch.testing.assert_close(lg.model.state_dict()[k], expected, rtol=0, atol=1e-6)
     for k in LOCAL:
         torch.testing.assert_close(lg.client_states.tensors["personal"][k], fedper.client_states.tensors["head"][k],
                                    rtol=0, atol=1e-6)
     held_out = int(lg.holdout[0])
-    for k, v in fedper.personalize(held_out).state_dict().items():
-        torch.testing.assert_close(lg.personalize(held_out).state_dict()[k], v, rtol=0, atol=1e-6)
+    for k, v in lg.personalize(held_out).state_dict().items():  # finetune_steps = 0: (θ, π⁰)
+        torch.testing.assert_close(v, lg.model.state_dict()[k], rtol=0, atol=0)
 
 
 def test_client_trains_its_own_representation_with_the_global_top_layer() -> None:
@@ -63,15 +67,16 @@ def test_client_trains_its_own_representation_with_the_global_top_layer() -> Non
     alg = LGFedAvg(local_steps=3, local_lr=0.3)
     state = map_state(lambda v: v + 0.5, alg.init_client_state(params))
     assert sorted(state["personal"]) == sorted(LOCAL)
-    for seen, start_local in ((True, state["personal"]), (False, params)):
+    for seen, start_local in ((True, state["personal"]), (False, state["personal"])):  # π_i: π⁰ until trained
         out = alg.client_update(ctx, params, batches, state, {}, one_client(seen=seen))
         w = {**params, **{k: start_local[k] for k in LOCAL}}
         for t in range(3):
             w, _ = ctx.sgd_step(w, batches.at(t, 0), 0.3)
         for k in LOCAL:
             torch.testing.assert_close(out.state["personal"][k], w[k], rtol=0, atol=1e-7)
-        for k in params:
-            torch.testing.assert_close(out.delta[k], w[k] - params[k], rtol=0, atol=1e-7)
+        for k in params:  # the local layers' Δ is 0: they are not uploaded
+            expected = torch.zeros_like(params[k]) if k in LOCAL else w[k] - params[k]
+            torch.testing.assert_close(out.delta[k], expected, rtol=0, atol=1e-7)
 
 
 def test_global_layers_are_named_by_global_prefix() -> None:

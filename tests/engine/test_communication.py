@@ -58,12 +58,18 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "fedem": ({"num_components": 3}, FLOAT * 3 * D, FLOAT * 3 * D),
     # the generated model h(v_i; φ) down (the hypernetwork stays on the server); Δθ_i up
     "pfedhn": ({}, FLOAT * D, FLOAT * D),
-    # the whole model both ways: a client that has not trained starts from the global personal part, and the
-    # default aggregate averages the whole delta (personal part included) into the global model
-    "lg_fedavg": ({}, FLOAT * D, FLOAT * D),
-    "fedbn": ({}, FLOAT * BN_D, FLOAT * BN_D),
-    # the head is frozen but the default aggregate reads its (zero) delta
-    "fedbabu": ({}, FLOAT * D, FLOAT * D),
+    # the shared part only, both ways: LG-FedAvg's global last layer (H·C + C), FedBN's all but the normalisation
+    # layer (BN_D − 2H = d), FedBABU's body (F·H + H); the personal part / the frozen head never travels
+    "lg_fedavg": ({}, FLOAT * (H * C + C), FLOAT * (H * C + C)),
+    "fedbn": ({}, FLOAT * (BN_D - 2 * H), FLOAT * (BN_D - 2 * H)),
+    "fedbabu": ({}, FLOAT * (F * H + H), FLOAT * (F * H + H)),
+    # FedProto: the C × H global prototypes and their C known flags down; the local prototypes and C holds flags up
+    "fedproto": ({}, FLOAT * (C * H + C), FLOAT * (C * H + C)),
+    # FedDBE: w, the global mean ḡ (H) and its ready flag down; Δ and the running mean (H) up
+    "feddbe": ({}, FLOAT * (D + H + 1), FLOAT * (D + H)),
+    # FedFomo (M = 2): the two selected stored models down (their indices are not sent: the server recomputes the
+    # selection from P); the trained θ_i and its M = 2 weights up
+    "fedfomo": ({"models_per_client": 2}, FLOAT * 2 * D, FLOAT * (D + 2)),
     # w down, Δw up: APFL's v and α, FedALA's element-wise weights and FedRoD's personal head stay on the client
     "apfl": ({}, FLOAT * D, FLOAT * D),
     "fedala": ({}, FLOAT * D, FLOAT * D),
@@ -203,7 +209,7 @@ def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, mess
 
 
 @pytest.mark.parametrize("name", ["scaffold", "cfl", "mocha", "fedamp", "fedem", "pfedhn", "lg_fedavg", "fedbn",
-                                  "fedbabu", "apfl", "fedala", "fedrod"])
+                                  "fedbabu", "apfl", "fedala", "fedrod", "fedproto", "feddbe", "fedfomo"])
 def test_check_exchange_passes_the_builtins_it_covers(name: str) -> None:
     check_algorithm(name, skip=ONLY_EXCHANGE)
 
