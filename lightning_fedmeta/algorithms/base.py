@@ -308,6 +308,19 @@ class Algorithm(ABC):
         self.finetune_epochs = finetune_epochs
         self.drop_last = drop_last
 
+    def check_epoch_plans(self) -> None:
+        """Refuse ``local_epochs`` / ``finetune_epochs`` when this algorithm's own :meth:`round_plan` /
+        :meth:`eval_plan` does not carry them (an override that lays its batches out another way); the loop calls
+        it when it binds the data."""
+        label = type(self).name or type(self).__name__
+        for arg, value, plan, method in (("local_epochs", self.local_epochs, self.round_plan(), "round_plan"),
+                                         ("finetune_epochs", self.finetune_epochs, self.eval_plan(), "eval_plan")):
+            if value is not None and (plan.epochs != value or plan.drop_last != self.drop_last):
+                raise ValueError(
+                    f"{arg}: {label!r} lays out its batches with its own {method} ({plan}), which does not count "
+                    f"epochs; use {'local_steps' if arg == 'local_epochs' else 'finetune_steps'}"
+                )
+
     # ------------------------------------------------------------------------------------------
     # data plans
     # ------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ class RoundEngine:
         Returns why the clients run looped or batched."""
         self.data, self.model, self.per_sample_loss = data, model, per_sample_loss
         k = data.num_clients
+        self.algorithm.check_epoch_plans()
         self.federation.bind(data.train_counts, self.algorithm, task)
         self.running.prepare(model, k)
         self.batching, reason = choose_batching(model, self.client_batching)
