@@ -252,3 +252,15 @@ def test_algorithms_with_their_own_plans_refuse_epochs_when_bound(algorithm: dic
 def test_straggler_budgets_are_refused_with_local_epochs() -> None:
     with pytest.raises(ValueError, match="local_steps_dist gives straggler budgets in local steps"):
         _module({"name": "fedavg", "local_epochs": 1}, sizes=SIZES, local_steps_dist=[1] * len(SIZES))
+
+
+@pytest.mark.parametrize("num_clients", [20, 100])
+def test_grouping_keeps_the_padding_of_a_dirichlet_split_under_ten_percent(num_clients: int) -> None:
+    """benchmarks/epoch_grouping.py's figure: Fashion-MNIST sizes, Dirichlet(0.1), B = 10, E = 1."""
+    from benchmarks.epoch_grouping import client_steps
+
+    steps = client_steps(num_clients, 0)
+    padded, real = padding_waste(steps, step_groups(steps))
+    assert padded < 0.1 * real
+    flat, _ = padding_waste(steps, step_groups(steps, 0.0))
+    assert flat > real  # one group: more padding than work
