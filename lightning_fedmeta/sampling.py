@@ -95,6 +95,19 @@ def _epoch_rows(g: torch.Generator, n: int, plan: BatchPlan, steps: int, width: 
     return local.view(steps * per_step, width), mask.view(steps * per_step, width)
 
 
+def _draw_epochs(seed: int, tag: str, round_idx: int, clients: Tensor, starts: list[int], ends: list[int],
+                 plan: BatchPlan, width: int) -> tuple[Tensor, Tensor]:
+    """:func:`draw_batch_indices` under an epoch plan: a step axis of ``max(plan.steps, max_c s_c)`` steps."""
+    steps = max([plan.steps, *(epoch_steps(e - s, plan) for s, e in zip(starts, ends, strict=True))])
+    index = torch.zeros(clients.numel(), steps * plan.per_step, width, dtype=torch.long)
+    mask = torch.zeros(clients.numel(), steps * plan.per_step, width, dtype=torch.float32)
+    for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
+        local, mask[row] = _epoch_rows(generator_for(seed, tag, round_idx, c), end - start, plan, steps, width)
+        index[row] = start + local
+    shape = (clients.numel(), steps, plan.per_step, width)
+    return index.view(shape), mask.view(shape)
+
+
 def draw_batch_indices(
     seed: int,
     tag: str,
@@ -114,30 +127,24 @@ def draw_batch_indices(
     each epoch a fresh permutation of its rows from ``generator_for(seed, tag, round, c)`` (so every row is used
     exactly once per epoch, and the draw does not depend on the other clients of the call), cut into consecutive
     chunks of ``per_step·B`` rows, one per step (batch 0 of the step first); the last chunk of an epoch may be
-    partial (masked) unless ``drop_last``. ``plan.steps`` is the length of the step axis (at least every ``s_c``);
-    the steps after ``s_c`` are empty (mask 0). Full batch: ``B = full_batch_len``, one step per epoch.
+    partial (masked) unless ``drop_last``. The step axis is ``max(plan.steps, max_c s_c)`` long (a caller that
+    groups clients passes its group's length); the steps after ``s_c`` are empty (mask 0). Full batch:
+    ``B = full_batch_len``, one step per epoch.
 
     Returns:
         ``index [C, steps, per_step, B]`` (int64 rows of the concatenated tensor) and
         ``mask [C, steps, per_step, B]`` (float32, 1 = real sample). ``B = batch_size`` or
         ``full_batch_len`` for full-batch plans.
     """
-    steps, per_step = plan.steps, plan.per_step
     width = full_batch_len if plan.batch_size is None else plan.batch_size
-    n_batches = steps * per_step
-    index = torch.zeros(clients.numel(), n_batches, width, dtype=torch.long)
-    mask = torch.zeros(clients.numel(), n_batches, width, dtype=torch.float32)
     idx = clients.long()
     starts, ends = offsets[idx].tolist(), offsets[idx + 1].tolist()  # O(clients), not O(K): no list of all offsets
     if plan.epochs is not None:
-        for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
-            if epoch_steps(end - start, plan) > steps:
-                raise ValueError(f"client {c} takes {epoch_steps(end - start, plan)} steps under {plan}, more than "
-                                 f"the call's {steps}")
-            local, mask[row] = _epoch_rows(generator_for(seed, tag, round_idx, c), end - start, plan, steps, width)
-            index[row] = start + local
-        shape = (clients.numel(), steps, per_step, width)
-        return index.view(shape), mask.view(shape)
+        return _draw_epochs(seed, tag, round_idx, clients, starts, ends, plan, width)
+    steps, per_step = plan.steps, plan.per_step
+    n_batches = steps * per_step
+    index = torch.zeros(clients.numel(), n_batches, width, dtype=torch.long)
+    mask = torch.zeros(clients.numel(), n_batches, width, dtype=torch.float32)
     for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
         n = end - start
         take = min(n, width)

@@ -132,9 +132,9 @@ def test_drop_last_drops_the_partial_chunk_and_small_clients_take_no_step() -> N
 
 
 def test_full_batch_epochs_take_one_step_of_all_rows_per_epoch() -> None:
-    plan = BatchPlan(steps=2, per_step=1, batch_size=None, epochs=2)
+    plan = BatchPlan(steps=0, per_step=1, batch_size=None, epochs=2)  # steps=0: the axis is the longest s_c
     (index, mask), _ = _draw(plan, [6, 3], [1], width=6)
-    assert epoch_steps(3, plan) == 2
+    assert epoch_steps(3, plan) == 2 and index.shape == (1, 2, 1, 6)
     for t in range(2):
         assert sorted(index[0, t, 0][mask[0, t, 0].bool()].tolist()) == [6, 7, 8]
 
