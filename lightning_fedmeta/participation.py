@@ -32,6 +32,7 @@ from lightning_fedmeta.sampling import generator_for
 __all__ = [
     "StepBudget",
     "answering_clients",
+    "check_budget_with_epochs",
     "check_dropout",
     "expected_answers",
     "check_over_selection",
@@ -154,6 +155,16 @@ class StepBudget:
                 k = int(torch.multinomial(torch.tensor(self.probs, dtype=torch.float64), 1, generator=g))
                 out.append(self.values[k])
         return torch.tensor(out, dtype=torch.long)
+
+
+def check_budget_with_epochs(local_epochs: int | None, option: str = "model.local_steps_dist") -> None:
+    """Refuse budgets of local steps together with ``local_epochs``: a budget counts steps of a fixed-length round,
+    while under epochs each client's step count is its own (``E·⌈n_c/B⌉``)."""
+    if local_epochs is not None:
+        raise ValueError(
+            f"{option} gives straggler budgets in local steps, but the algorithm counts its local work in epochs "
+            f"(local_epochs={local_epochs}): use local_steps with {option}, or local_epochs without it"
+        )
 
 
 def _positive_int(value: Any, where: str) -> int:

@@ -30,6 +30,7 @@ from lightning_fedmeta.attacks import ByzantineSpec, choose_byzantine_clients, p
 from lightning_fedmeta.compression import CompressionSpec, check_composition, parse_compression
 from lightning_fedmeta.participation import (
     StepBudget,
+    check_budget_with_epochs,
     check_dropout,
     check_over_selection,
     parse_local_steps_dist,
@@ -128,8 +129,10 @@ class Reliability:
                 raise ValueError(
                     f"model.local_steps_dist: {name} does not support per-client budgets of local steps (its "
                     "client_update does not declare step_budget = True: an empty step would still move it); "
-                    "supported: fedavg, fedprox, reptile, scaffold, perfedavg"
+                    "supported: the algorithms that declare it (fedavg, fedprox, scaffold, reptile, perfedavg, ifca, "
+                    "cfl, the mtl family, fedper, ...)"
                 )
+            check_budget_with_epochs(getattr(algorithm, "local_epochs", None))
             self.budget.check(algorithm.round_plan().steps, num_clients)
         delta_only = []
         if self.aggregator.name != "mean" or self.aggregator.clip is not None:

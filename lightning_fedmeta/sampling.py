@@ -15,7 +15,10 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import BatchPlan
 
-__all__ = ["stable_seed", "generator_for", "sample_clients", "draw_batch_indices", "choose_holdout"]
+__all__ = [
+    "stable_seed", "generator_for", "sample_clients", "draw_batch_indices", "choose_holdout", "epoch_steps",
+    "plan_steps",
+]
 
 
 def stable_seed(*parts: int | str) -> int:
@@ -49,6 +52,62 @@ def choose_holdout(seed: int, num_clients: int, holdout: float | int) -> Tensor:
     return perm[:count].sort().values
 
 
+def epoch_steps(n: int, plan: BatchPlan) -> int:
+    """``s = E·⌈n / (per_step·B)⌉`` steps of a client with ``n`` training rows under an epoch plan
+    (``E = plan.epochs``; ``⌊·⌋`` with ``plan.drop_last``; ``B = n`` for a full-batch plan, so one step per epoch).
+
+    Each step consumes ``per_step·B`` rows (one chunk of the epoch's permutation, see :func:`draw_batch_indices`),
+    so an epoch is ``⌈n / (per_step·B)⌉`` steps with the last one partial, as PyTorch's ``DataLoader`` with
+    ``batch_size = per_step·B`` (``drop_last=True``: ``⌊·⌋``, the partial chunk dropped). A client with no rows
+    takes no step."""
+    if plan.epochs is None:
+        raise ValueError("epoch_steps needs a plan with epochs (local_epochs / finetune_epochs)")
+    if n <= 0:
+        return 0
+    chunk = plan.per_step * (n if plan.batch_size is None else plan.batch_size)
+    per_epoch = n // chunk if plan.drop_last else -(-n // chunk)
+    return plan.epochs * per_epoch
+
+
+def plan_steps(counts: Tensor, plan: BatchPlan) -> Tensor:
+    """The steps every client takes under ``plan`` (int64 ``[C]``, from the clients' row counts ``counts``):
+    :func:`epoch_steps` for an epoch plan, ``plan.steps`` for everyone otherwise."""
+    if plan.epochs is None:
+        return torch.full((counts.numel(),), plan.steps, dtype=torch.long)
+    return torch.tensor([epoch_steps(int(n), plan) for n in counts.tolist()], dtype=torch.long)
+
+
+def _epoch_rows(g: torch.Generator, n: int, plan: BatchPlan, steps: int, width: int) -> tuple[Tensor, Tensor]:
+    """One client's local row indices and mask ``[steps·per_step, width]`` under an epoch plan: epoch ``e`` is
+    ``torch.randperm(n)`` cut into chunks of ``per_step·width`` rows, one chunk per step, filling batch 0 of the step
+    first; its last chunk may be partial (masked) or dropped (``drop_last``); steps after the last epoch are empty."""
+    per_step = plan.per_step
+    chunk = per_step * width
+    taken = epoch_steps(n, plan)
+    per_epoch = taken // plan.epochs if plan.epochs else 0
+    local = torch.zeros(steps * per_step * width, dtype=torch.long)
+    mask = torch.zeros(steps * per_step * width, dtype=torch.float32)
+    for e in range(plan.epochs or 0):
+        perm = torch.randperm(n, generator=g)[: per_epoch * chunk]
+        start = e * per_epoch * chunk
+        local[start:start + perm.numel()] = perm
+        mask[start:start + perm.numel()] = 1.0
+    return local.view(steps * per_step, width), mask.view(steps * per_step, width)
+
+
+def _draw_epochs(seed: int, tag: str, round_idx: int, clients: Tensor, starts: list[int], ends: list[int],
+                 plan: BatchPlan, width: int) -> tuple[Tensor, Tensor]:
+    """:func:`draw_batch_indices` under an epoch plan: a step axis of ``max(plan.steps, max_c s_c)`` steps."""
+    steps = max([plan.steps, *(epoch_steps(e - s, plan) for s, e in zip(starts, ends, strict=True))])
+    index = torch.zeros(clients.numel(), steps * plan.per_step, width, dtype=torch.long)
+    mask = torch.zeros(clients.numel(), steps * plan.per_step, width, dtype=torch.float32)
+    for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
+        local, mask[row] = _epoch_rows(generator_for(seed, tag, round_idx, c), end - start, plan, steps, width)
+        index[row] = start + local
+    shape = (clients.numel(), steps, plan.per_step, width)
+    return index.view(shape), mask.view(shape)
+
+
 def draw_batch_indices(
     seed: int,
     tag: str,
@@ -64,18 +123,28 @@ def draw_batch_indices(
     ``plan.steps × plan.per_step`` batches, each ``plan.batch_size`` samples without replacement
     (all ``n_c`` samples, masked-padded, when ``n_c < batch_size`` or ``batch_size is None``).
 
+    Under an epoch plan (``plan.epochs = E``) client ``c`` instead takes ``s_c = epoch_steps(n_c, plan)`` steps:
+    each epoch a fresh permutation of its rows from ``generator_for(seed, tag, round, c)`` (so every row is used
+    exactly once per epoch, and the draw does not depend on the other clients of the call), cut into consecutive
+    chunks of ``per_step·B`` rows, one per step (batch 0 of the step first); the last chunk of an epoch may be
+    partial (masked) unless ``drop_last``. The step axis is ``max(plan.steps, max_c s_c)`` long (a caller that
+    groups clients passes its group's length); the steps after ``s_c`` are empty (mask 0). Full batch:
+    ``B = full_batch_len``, one step per epoch.
+
     Returns:
         ``index [C, steps, per_step, B]`` (int64 rows of the concatenated tensor) and
         ``mask [C, steps, per_step, B]`` (float32, 1 = real sample). ``B = batch_size`` or
         ``full_batch_len`` for full-batch plans.
     """
-    steps, per_step = plan.steps, plan.per_step
     width = full_batch_len if plan.batch_size is None else plan.batch_size
+    idx = clients.long()
+    starts, ends = offsets[idx].tolist(), offsets[idx + 1].tolist()  # O(clients), not O(K): no list of all offsets
+    if plan.epochs is not None:
+        return _draw_epochs(seed, tag, round_idx, clients, starts, ends, plan, width)
+    steps, per_step = plan.steps, plan.per_step
     n_batches = steps * per_step
     index = torch.zeros(clients.numel(), n_batches, width, dtype=torch.long)
     mask = torch.zeros(clients.numel(), n_batches, width, dtype=torch.float32)
-    idx = clients.long()
-    starts, ends = offsets[idx].tolist(), offsets[idx + 1].tolist()  # O(clients), not O(K): no list of all offsets
     for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
         n = end - start
         take = min(n, width)

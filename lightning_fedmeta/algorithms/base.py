@@ -131,11 +131,20 @@ class BatchPlan:
     ``batch_size=None`` means full batch (each batch is all of the client's training data,
     padded and masked to a common length). Every batch is drawn independently and without
     replacement within itself, as a pure function of ``(seed, round, client)``.
+
+    ``epochs=E`` (``local_epochs``/``finetune_epochs``) counts the work in passes over the client's rows instead:
+    client ``c`` with ``n_c`` rows takes ``s_c = E·⌈n_c / (per_step·B)⌉`` steps (``⌊·⌋`` with ``drop_last``), each
+    epoch a fresh permutation cut into consecutive chunks
+    (:func:`~lightning_fedmeta.sampling.epoch_steps`, :func:`~lightning_fedmeta.sampling.draw_batch_indices`);
+    ``steps`` is then the length of the call's step axis (at least the largest ``s_c``), its steps beyond ``s_c``
+    empty (mask 0).
     """
 
     steps: int
     per_step: int = 1
     batch_size: int | None = 32
+    epochs: int | None = None
+    drop_last: bool = False
 
 
 def check_positive(name: str, value: float | int | None, allow_none: bool = False) -> None:
@@ -169,7 +178,14 @@ COMMON_ARGS: tuple[str, ...] = (
     "finetune_steps",
     "finetune_lr",
     "finetune_batch_size",
+    "local_epochs",
+    "finetune_epochs",
+    "drop_last",
 )
+
+#: common arguments left out of :meth:`Algorithm.hparams` (and ``repr``) while they hold these defaults, so an
+#: algorithm built without them logs and checkpoints exactly what it did before they existed
+_OMITTED_DEFAULTS: dict[str, object] = {"local_epochs": None, "finetune_epochs": None, "drop_last": False}
 
 
 class Algorithm(ABC):
@@ -183,6 +199,13 @@ class Algorithm(ABC):
             (0 = evaluate the starting model). Gives e.g. the FedAvg + fine-tune baseline.
         finetune_lr: rate of those steps (defaults to ``local_lr``).
         finetune_batch_size: batch size of those steps (``None`` = full batch).
+        local_epochs: E, local epochs per round; when set it replaces ``local_steps``: client ``c`` with ``n_c``
+            training rows takes ``E·⌈n_c/B⌉`` steps, each epoch a fresh permutation of its rows (the last batch of
+            an epoch may be partial; ``B = n_c`` for full batch). Only algorithms with ``step_budget = True``
+            whose round is one phase of such steps accept it (docs/concepts.md, "Local epochs").
+        finetune_epochs: the same for the evaluation-time fine-tuning (replaces ``finetune_steps``).
+        drop_last: with epochs, drop each epoch's last partial batch (``⌊n_c/B⌋`` steps per epoch), as PyTorch's
+            ``DataLoader(drop_last=True)``; a client with fewer than ``B`` rows then takes no step.
 
     These are the common arguments (:data:`COMMON_ARGS`). A subclass's ``__init__`` only needs to
     declare its own arguments: a common argument it does not name is accepted anyway and handed to
@@ -235,6 +258,9 @@ class Algorithm(ABC):
         finetune_steps: int = 0,
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = 32,
+        local_epochs: int | None = None,
+        finetune_epochs: int | None = None,
+        drop_last: bool = False,
     ) -> None:
         given = self.__dict__.pop("_given_common_args", {})  # set by a subclass's wrapped __init__
         local_steps = given.get("local_steps", local_steps)
@@ -243,6 +269,9 @@ class Algorithm(ABC):
         finetune_steps = given.get("finetune_steps", finetune_steps)
         finetune_lr = given.get("finetune_lr", finetune_lr)
         finetune_batch_size = given.get("finetune_batch_size", finetune_batch_size)
+        local_epochs = given.get("local_epochs", local_epochs)
+        finetune_epochs = given.get("finetune_epochs", finetune_epochs)
+        drop_last = given.get("drop_last", drop_last)
         if not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
         check_non_negative("local_lr", local_lr)
@@ -258,17 +287,56 @@ class Algorithm(ABC):
         self.finetune_steps = finetune_steps
         self.finetune_lr = local_lr if finetune_lr is None else finetune_lr
         self.finetune_batch_size = finetune_batch_size
+        self._set_epochs(local_epochs, finetune_epochs, drop_last)
+
+    def _set_epochs(self, local_epochs: int | None, finetune_epochs: int | None, drop_last: bool) -> None:
+        """Check and keep the epoch arguments; refuse ``local_epochs`` for an algorithm whose client_update does
+        not honour empty steps (the padded steps of the clients with fewer steps than the round's longest)."""
+        for name, value in (("local_epochs", local_epochs), ("finetune_epochs", finetune_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None: count steps), got {value!r}")
+        if not isinstance(drop_last, bool):
+            raise ValueError(f"drop_last must be true or false, got {drop_last!r}")
+        if local_epochs is not None and not type(self).step_budget:
+            label = type(self).name or type(self).__name__
+            raise ValueError(
+                f"local_epochs: {label!r} cannot count its local work in epochs: clients of different sizes take "
+                "different numbers of steps, padded with empty steps, and its client_update does not declare "
+                "step_budget = True (an empty step would still move it); use local_steps"
+            )
+        self.local_epochs = local_epochs
+        self.finetune_epochs = finetune_epochs
+        self.drop_last = drop_last
+
+    def check_epoch_plans(self) -> None:
+        """Refuse ``local_epochs`` / ``finetune_epochs`` when this algorithm's own :meth:`round_plan` /
+        :meth:`eval_plan` does not carry them (an override that lays its batches out another way); the loop calls
+        it when it binds the data."""
+        label = type(self).name or type(self).__name__
+        for arg, value, plan, method in (("local_epochs", self.local_epochs, self.round_plan(), "round_plan"),
+                                         ("finetune_epochs", self.finetune_epochs, self.eval_plan(), "eval_plan")):
+            if value is not None and (plan.epochs != value or plan.drop_last != self.drop_last):
+                raise ValueError(
+                    f"{arg}: {label!r} lays out its batches with its own {method} ({plan}), which does not count "
+                    f"epochs; use {'local_steps' if arg == 'local_epochs' else 'finetune_steps'}"
+                )
 
     # ------------------------------------------------------------------------------------------
     # data plans
     # ------------------------------------------------------------------------------------------
     def round_plan(self) -> BatchPlan:
-        """The batches a client draws for one round of ``client_update``."""
-        return BatchPlan(steps=self.local_steps, per_step=1, batch_size=self.batch_size)
+        """The batches a client draws for one round of ``client_update`` (under ``local_epochs`` the step axis is set
+        per call, from the clients' sizes: ``steps=0`` here)."""
+        steps = self.local_steps if self.local_epochs is None else 0
+        return BatchPlan(steps=steps, per_step=1, batch_size=self.batch_size,
+                         epochs=self.local_epochs, drop_last=self.drop_last)
 
     def eval_plan(self) -> BatchPlan:
-        """The batches a client draws from its *training* data to personalise before evaluation."""
-        return BatchPlan(steps=self.finetune_steps, per_step=1, batch_size=self.finetune_batch_size)
+        """The batches a client draws from its *training* data to personalise before evaluation (under
+        ``finetune_epochs`` the step axis is set per call: ``steps=0`` here)."""
+        steps = self.finetune_steps if self.finetune_epochs is None else 0
+        return BatchPlan(steps=steps, per_step=1, batch_size=self.finetune_batch_size,
+                         epochs=self.finetune_epochs, drop_last=self.drop_last)
 
     # ------------------------------------------------------------------------------------------
     # state
@@ -364,11 +432,14 @@ class Algorithm(ABC):
     # ------------------------------------------------------------------------------------------
     def hparams(self) -> dict[str, object]:
         """Hyper-parameters for logging: public attributes that are plain values (numbers, strings,
-        ``None``), less the common arguments the algorithm does not use (:attr:`unused_args`)."""
+        ``None``), less the common arguments the algorithm does not use (:attr:`unused_args`) and the epoch
+        arguments while they hold their defaults (``local_epochs=None``, ``finetune_epochs=None``,
+        ``drop_last=False``)."""
         unused = type(self).unused_args
         return {
             k: v for k, v in vars(self).items()
             if not k.startswith("_") and k not in unused and (v is None or isinstance(v, int | float | str))
+            and not (k in _OMITTED_DEFAULTS and v is _OMITTED_DEFAULTS[k])
         }
 
     def __repr__(self) -> str:

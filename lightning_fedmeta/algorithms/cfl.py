@@ -66,6 +66,7 @@ class CFL(ClusteredAlgorithm):
         local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size: as FedAvg.
     """
 
+    step_budget = True
     name = "cfl"
     summary = "CFL: split clusters by cosine similarity of updates at stationarity (Sattler et al., 2020)"
 

@@ -53,6 +53,8 @@ class Ditto(Algorithm):
 
     name = "ditto"
     summary = "Ditto: FedAvg global model + personal v_k on F_k(v) + λ/2‖v − w‖² (Li et al., 2021)"
+    unused_args = {"local_epochs": "its round has two phases (global then personal steps); local_epochs would need "
+                   "a per-phase layout: use local_steps and personal_steps"}
 
     def __init__(
         self,

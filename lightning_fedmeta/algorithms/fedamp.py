@@ -85,6 +85,7 @@ class FedAMP(SimilarityRegularizedMTL):
             :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
     """
 
+    step_budget = True
     name = "fedamp"
     summary = "FedAMP: personal w_k, prox towards u_k = Σ_j ξ_kj w_j, ξ = α exp(−‖w_k−w_j‖²/σ)/σ (Huang et al., 2021)"
 

@@ -113,6 +113,7 @@ class FedEM(Algorithm):
             (its batches also serve a new client's EM).
     """
 
+    step_budget = True
     name = "fedem"
     summary = "FedEM: M shared components, per-client mixture weights by EM (Marfoq et al., 2021)"
     server_optimizer_applies = False

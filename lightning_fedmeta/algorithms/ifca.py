@@ -89,6 +89,7 @@ class IFCA(ClusteredAlgorithm):
             above the rounds a real cluster can go unsampled.
     """
 
+    step_budget = True
     name = "ifca"
     summary = "IFCA: k cluster models, each client trains the one with the lowest loss (Ghosh et al., 2020)"
 

@@ -171,6 +171,9 @@ class Mocha(Algorithm):
         "clients' models for a new client) and takes no SGD steps",
         "finetune_lr": "MOCHA takes no fine-tuning steps (see finetune_steps)",
         "finetune_batch_size": "MOCHA takes no fine-tuning steps (see finetune_steps)",
+        "local_epochs": "MOCHA's local work is local_iters SDCA coordinate steps, not SGD epochs",
+        "finetune_epochs": "MOCHA takes no fine-tuning steps (see finetune_steps)",
+        "drop_last": "MOCHA reads the whole training set each round (no mini-batches to drop)",
     }
 
     def __init__(

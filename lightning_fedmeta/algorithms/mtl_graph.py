@@ -111,6 +111,7 @@ class MTLGraph(SimilarityRegularizedMTL):
             :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
     """
 
+    step_budget = True
     name = "mtl_graph"
     summary = "Graph MTL: Σ p_k [F_k(w_k) + λ/2 Σ_j A_jk‖w_k − w_j‖²] over a client graph (edges or kNN of labels)"
 

@@ -58,6 +58,7 @@ class MTLMean(RegularizedMTL):
     update of the mean w̄.
     """
 
+    step_budget = True
     name = "mtl_mean"
     summary = "Mean-regularised MTL: Σ p_k [F_k(w_k) + λ/2‖w_k − w̄‖²], w̄ = Σ p_k w_k (Hanzely & Richtárik)"
 

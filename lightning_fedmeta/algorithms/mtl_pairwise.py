@@ -83,6 +83,7 @@ class MTLPairwise(SimilarityRegularizedMTL):
             :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
     """
 
+    step_budget = True
     name = "mtl_pairwise"
     summary = "Pairwise MTL: Σ p_k [F_k(w_k) + λ/2 Σ_j S_jk‖w_k − w_j‖²], S given or clipped cosine of updates"
 

@@ -105,6 +105,7 @@ class PFedHN(Algorithm):
             :class:`~lightning_fedmeta.algorithms.base.Algorithm`.
     """
 
+    step_budget = True
     name = "pfedhn"
     summary = "pFedHN: a server hypernetwork generates θ_i = h(v_i; φ) (Shamsian et al., 2021)"
     server_optimizer_applies = False

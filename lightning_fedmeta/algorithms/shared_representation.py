@@ -148,6 +148,8 @@ class FedRep(SharedRepresentation):
 
     name = "fedrep"
     summary = "FedRep: local head trained first, then the shared body; only the body is averaged (Collins et al.)"
+    unused_args = {"local_epochs": "its round has two phases (head steps then body steps); local_epochs would need "
+                   "a per-phase layout: use head_steps and local_steps"}
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class FedRep(SharedRepresentation):
 class FedPer(SharedRepresentation):
     """FedPer: body and head trained jointly for local_steps; only the body is averaged."""
 
+    step_budget = True
     name = "fedper"
     summary = "FedPer: joint local SGD of shared body and personal head; only the body is averaged (Arivazhagan)"
 

@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, weighted_mean_metrics
 from lightning_fedmeta.attacks import flip_labels
 from lightning_fedmeta.communication import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
 from lightning_fedmeta.data.federated import FederatedData
@@ -44,7 +44,8 @@ from lightning_fedmeta.loop.client_state import (
 from lightning_fedmeta.loop.compile_policy import CompilePolicy
 from lightning_fedmeta.loop.compress import CompressionStage
 from lightning_fedmeta.loop.federation import Federation
-from lightning_fedmeta.loop.gather import BatchGatherer
+from lightning_fedmeta.loop.gather import BatchGatherer, regroup
+from lightning_fedmeta.loop.grouping import GROUP_RATIO, step_groups
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
 from lightning_fedmeta.loop.server import (
@@ -61,7 +62,7 @@ from lightning_fedmeta.loop.statistics import (
     published_statistics_size,
 )
 from lightning_fedmeta.participation import mask_missing_steps
-from lightning_fedmeta.sampling import stable_seed
+from lightning_fedmeta.sampling import plan_steps, stable_seed
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
 from lightning_fedmeta.validation import (
     validate_aggregate_output,
@@ -109,6 +110,9 @@ class RoundEngine:
         self._last: RoundResult | None = None  # for the (clients, output, weights) form of compute / commit
         self.codec: Codec = PlainCodec()  # how the exchanged tensors are encoded (bytes counted per round)
         self.traffic = TrafficCounter()  # cumulative bytes, checkpointed
+        #: under ``local_epochs``, run the round's clients in groups of similar step counts (False: one group,
+        #: every client padded to the round's longest; the numbers are the same, only the padding differs)
+        self.step_grouping = True
 
     @property
     def seed(self) -> int:
@@ -122,6 +126,7 @@ class RoundEngine:
         Returns why the clients run looped or batched."""
         self.data, self.model, self.per_sample_loss = data, model, per_sample_loss
         k = data.num_clients
+        self.algorithm.check_epoch_plans()
         self.federation.bind(data.train_counts, self.algorithm, task)
         self.running.prepare(model, k)
         self.batching, reason = choose_batching(model, self.client_batching)
@@ -206,27 +211,27 @@ class RoundEngine:
 
     def compute(self, round_idx: int) -> RoundResult | None:
         """Phases 1–3: the round's clients run their local procedures (all ranks combined); ``None`` when no
-        sampled client answers."""
+        sampled client answers.
+
+        Under ``local_epochs`` the clients take different numbers of steps ``s_c``: they run in groups of similar
+        ``s_c`` (:func:`~lightning_fedmeta.loop.grouping.step_groups`; one group when :attr:`step_grouping` is
+        off), each group's batches drawn with its longest ``s_c`` as the step axis, and the outputs are put back
+        in the round's client order."""
         sampled = self.federation.round_clients(round_idx)
         if sampled.numel() == 0:
             return None
         positions = self.ranks.share(sampled.numel())
         local = sampled[positions] if positions.numel() else sampled[:1]
         plan = self.algorithm.round_plan()
-        batches = self.gatherer.batches("train", round_idx, local, plan)
-        steps = self.federation.round_steps(round_idx, sampled, plan.steps)
-        if self.reliability.budget is not None:  # stragglers: their steps beyond the budget see empty batches
-            mask_missing_steps(batches.mask, steps[positions] if positions.numel() else steps[:1])
-        self._poison_labels(batches, local)
-        states = self.client_states.gather(local)
-        seeds = self.loop_seeds("dropout", round_idx, local)
+        steps = self.round_steps(round_idx, sampled, plan)
+        local_steps = steps[positions] if positions.numel() else steps[:1]
+        if plan.epochs is None:
+            groups = [torch.arange(local.numel())]
+        else:
+            groups = step_groups(local_steps, GROUP_RATIO if self.step_grouping else 0.0)
         self.compile.for_training()
-        out, buffers = run_clients(
-            self._client_fn, (self.compression.download(self.global_params()), self.server_state),
-            (batches, states, self.records(local), self.starting_buffers(local)),
-            local.numel(), self.batching, self.client_chunk_size, seeds,
-            label=f"{type(self.algorithm).__name__}.client_update",
-        )
+        parts = [self._run_group(round_idx, local[g], local_steps[g], plan) for g in groups]
+        out, buffers = parts[0] if len(parts) == 1 else regroup(parts, groups)
         out, buffers = self.ranks.combine((out, buffers), positions, sampled.numel())
         if "client_update" not in self.validated:  # once: later rounds cost nothing
             validate_client_output(self.algorithm, out, self.global_params(), self.client_states.tensors,
@@ -237,6 +242,32 @@ class RoundEngine:
                              residual)
         self._last = result
         return result
+
+    def round_steps(self, round_idx: int, clients: Tensor, plan: BatchPlan) -> Tensor:
+        """``s_c``, the local steps each listed client takes this round: ``E·⌈n_c/B⌉`` under ``local_epochs``
+        (:func:`~lightning_fedmeta.sampling.plan_steps`), else its budget (``local_steps_dist``) or the plan's."""
+        if plan.epochs is not None:
+            assert self.data is not None
+            counts = self.data.train_counts.cpu()[clients.cpu()]
+            return plan_steps(counts, plan)
+        return self.federation.round_steps(round_idx, clients, plan.steps)
+
+    def _run_group(self, round_idx: int, clients: Tensor, steps: Tensor, plan: BatchPlan) -> Any:
+        """``client_update`` of the listed clients, looped or batched (chunks of :attr:`client_chunk_size`):
+        their batches (steps beyond a straggler's budget emptied), poisoned labels, states, records and BN
+        statistics. Returns ``(outputs, buffers)`` stacked in the order of ``clients``."""
+        batches = self.gatherer.batches("train", round_idx, clients, plan)
+        if self.reliability.budget is not None:  # stragglers: their steps beyond the budget see empty batches
+            mask_missing_steps(batches.mask, steps)
+        self._poison_labels(batches, clients)
+        states = self.client_states.gather(clients)
+        seeds = self.loop_seeds("dropout", round_idx, clients)
+        return run_clients(
+            self._client_fn, (self.compression.download(self.global_params()), self.server_state),
+            (batches, states, self.records(clients), self.starting_buffers(clients)),
+            clients.numel(), self.batching, self.client_chunk_size, seeds,
+            label=f"{type(self.algorithm).__name__}.client_update",
+        )
 
     def use_secret(self, key: bytes | None) -> None:
         """Draw DP's noise and cohort from the secret ``key`` (``model.dp.secure_mode``; the same key on every

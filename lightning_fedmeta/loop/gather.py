@@ -9,17 +9,19 @@ mask of the real samples. Test sets are padded to the widest client, masked, and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
 from lightning_fedmeta.functional import Batch
-from lightning_fedmeta.sampling import draw_batch_indices
+from lightning_fedmeta.sampling import draw_batch_indices, plan_steps
 
-__all__ = ["BatchGatherer", "TEST_CACHE_BYTES", "new_client_batches", "rows"]
+__all__ = ["BatchGatherer", "TEST_CACHE_BYTES", "call_plan", "new_client_batches", "regroup", "rows"]
 
 #: the padded test sets of one evaluation are kept for the next one up to this size (bytes)
 TEST_CACHE_BYTES = 512 * 2**20
@@ -32,6 +34,23 @@ def rows(t: Tensor, index: Tensor, out: Tensor | None = None) -> Tensor:
     flat_index = index.reshape(-1).to(t.device)
     flat = t.index_select(0, flat_index) if out is None else torch.index_select(t, 0, flat_index, out=out)
     return flat.view(*index.shape, *t.shape[1:])
+
+
+def call_plan(counts: Tensor, plan: Any) -> Any:
+    """``plan`` with the step axis of one call: under epochs, the longest ``s_c`` of the clients with ``counts`` rows
+    (at least 1: a call of clients that take no step runs one empty step); other plans unchanged."""
+    if plan.epochs is None:
+        return plan
+    return replace(plan, steps=max(1, plan.steps, int(plan_steps(counts, plan).max())))
+
+
+def regroup(parts: list[Any], groups: list[Tensor]) -> Any:
+    """The per-group stacked outputs ``parts`` (pytrees with a leading client axis, group ``g`` holding the clients
+    at positions ``groups[g]``) as one pytree in position order."""
+    order = torch.cat(groups)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return tree_map(lambda *xs: torch.cat(xs)[inverse.to(xs[0].device)], *parts)
 
 
 class BatchGatherer:
@@ -60,10 +79,11 @@ class BatchGatherer:
         self.test_cache = None
 
     def batches(self, tag: str, round_idx: int, clients: Tensor, plan: Any) -> Batch:
-        """Every mini-batch the clients draw in this call, ``[C, steps, per_step, B, ...]``."""
-        idx, mask = draw_batch_indices(
-            self.seed, tag, round_idx, clients, self.data.train_offsets.cpu(), plan, self.train_width
-        )
+        """Every mini-batch the clients draw in this call, ``[C, steps, per_step, B, ...]`` (under epochs the step
+        axis is the longest ``s_c`` of these clients, :func:`call_plan`)."""
+        offsets = self.data.train_offsets.cpu()
+        plan = call_plan(offsets[clients.cpu() + 1] - offsets[clients.cpu()], plan)
+        idx, mask = draw_batch_indices(self.seed, tag, round_idx, clients, offsets, plan, self.train_width)
         x = rows(self.data.train_x, idx, self._buffer("x", idx, self.data.train_x))
         y = rows(self.data.train_y, idx, self._buffer("y", idx, self.data.train_y))
         return Batch(x, y, mask.to(self.device))
@@ -113,6 +133,7 @@ def new_client_batches(seed: int, data: tuple[Tensor, Tensor], round_idx: int, p
             f"a new client's data needs as many targets as inputs (> 0), got {x.shape[0]} and "
             f"{y.shape[0] if y.dim() else 0}"
         )
+    plan = call_plan(torch.tensor([y.shape[0]]), plan)
     idx, mask = draw_batch_indices(seed, "adapt-new", round_idx, torch.tensor([0]), torch.tensor([0, y.shape[0]]),
                                    plan, y.shape[0])
     idx = idx[0].to(device)

@@ -17,12 +17,12 @@ from torch import nn
 
 import lightning_fedmeta.registry as registry
 from lightning_fedmeta import Algorithm, Batch, ClientContext, ClientOutput, create_algorithm, list_algorithms
-from lightning_fedmeta.algorithms.base import COMMON_ARGS
+from lightning_fedmeta.algorithms.base import COMMON_ARGS, BatchPlan
 from tests.helpers import REPO, one_client
 
 VALUES: dict[str, Any] = {
     "local_steps": 3, "local_lr": 0.05, "batch_size": 7, "finetune_steps": 2, "finetune_lr": 0.02,
-    "finetune_batch_size": 5,
+    "finetune_batch_size": 5, "local_epochs": 2, "finetune_epochs": 1, "drop_last": True,
 }
 assert set(VALUES) == set(COMMON_ARGS)
 
@@ -32,6 +32,8 @@ REQUIRED: dict[str, dict[str, Any]] = {"mtl_graph": {"edges": [[0, 1]]}}
 
 class PluginLike(Algorithm):
     """Built like the pFedMe example: declares its own argument only."""
+
+    step_budget = True  # its update ignores the batches: an empty step is no step (it may count epochs)
 
     def __init__(self, foo: float = 1.0) -> None:
         super().__init__(local_steps=20)  # its own default for a common argument it does not name
@@ -58,8 +60,9 @@ def test_a_plugin_that_declares_only_its_own_arguments_takes_every_common_one(
     alg = create_algorithm("plugin_like", foo=2.0, **VALUES)
     assert [getattr(alg, k) for k in COMMON_ARGS] == [VALUES[k] for k in COMMON_ARGS]
     assert alg.foo == 2.0
-    assert alg.round_plan().steps == 3 and alg.round_plan().batch_size == 7
-    assert alg.eval_plan().steps == 2 and alg.eval_plan().batch_size == 5
+    assert alg.round_plan() == BatchPlan(steps=0, per_step=1, batch_size=7, epochs=2, drop_last=True)
+    assert alg.eval_plan() == BatchPlan(steps=0, per_step=1, batch_size=5, epochs=1, drop_last=True)
+    assert PluginLike(local_steps=3).round_plan() == BatchPlan(steps=3, per_step=1, batch_size=32)
     # the subclass's own value is its default; the caller's replaces it; finetune_lr follows local_lr
     assert PluginLike().local_steps == 20 and PluginLike(local_steps=4).local_steps == 4
     assert PluginLike(local_lr=0.3).finetune_lr == 0.3
@@ -68,7 +71,7 @@ def test_a_plugin_that_declares_only_its_own_arguments_takes_every_common_one(
     assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in COMMON_ARGS)
     assert repr(alg) == (
         "PluginLike(local_steps=3, local_lr=0.05, batch_size=7, finetune_steps=2, finetune_lr=0.02, "
-        "finetune_batch_size=5, foo=2.0)"
+        "finetune_batch_size=5, local_epochs=2, finetune_epochs=1, drop_last=True, foo=2.0)"
     )
     with pytest.raises(ValueError, match="finetune_steps must be an integer >= 0, got -1"):
         PluginLike(finetune_steps=-1)
@@ -136,6 +139,9 @@ def test_every_builtin_takes_each_common_argument_or_refuses_it_with_a_reason(na
         alg = create_algorithm(name, **required)
         assert arg not in alg.hparams() and f"{arg}=" not in repr(alg)
         assert arg not in inspect.signature(cls.__init__).parameters
+    elif arg == "local_epochs" and not cls.step_budget:  # padded empty steps would move it (test_local_epochs.py)
+        with pytest.raises(ValueError, match="cannot count its local work in epochs"):
+            create_algorithm(name, **required, **{arg: VALUES[arg]})
     else:
         alg = create_algorithm(name, **required, **{arg: VALUES[arg]})
         assert getattr(alg, arg) == VALUES[arg]
@@ -145,6 +151,8 @@ def test_every_builtin_takes_each_common_argument_or_refuses_it_with_a_reason(na
 def test_the_builtins_that_refuse_common_arguments_are_these() -> None:
     refused = {name: sorted(registry.load_algorithm(name).unused_args) for name in BUILTINS}
     assert {k: v for k, v in refused.items() if v} == {
+        "ditto": ["local_epochs"],
+        "fedrep": ["local_epochs"],
         "fedmaml": ["local_lr"],
         "mocha": sorted(COMMON_ARGS),
         "perfedavg": ["local_lr"],
