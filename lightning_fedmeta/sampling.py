@@ -17,6 +17,7 @@ from lightning_fedmeta.algorithms.base import BatchPlan
 
 __all__ = [
     "stable_seed", "generator_for", "sample_clients", "draw_batch_indices", "choose_holdout", "epoch_steps",
+    "epoch_batches", "phase_lengths", "total_epochs",
     "plan_steps",
 ]
 
@@ -52,21 +53,47 @@ def choose_holdout(seed: int, num_clients: int, holdout: float | int) -> Tensor:
     return perm[:count].sort().values
 
 
+def total_epochs(plan: BatchPlan) -> int:
+    """``E``, the epochs of an epoch plan, summed over its phases (``E_1 + E_2 + …``) when ``plan.epochs`` is a
+    tuple of per-phase counts (a two-phase round such as Ditto's or FedRep's)."""
+    if plan.epochs is None:
+        raise ValueError("epoch_steps needs a plan with epochs (local_epochs / finetune_epochs)")
+    return sum(plan.epochs) if isinstance(plan.epochs, tuple) else plan.epochs
+
+
 def epoch_steps(n: int, plan: BatchPlan) -> int:
     """``s = E·⌈n / (per_step·B)⌉`` steps of a client with ``n`` training rows under an epoch plan
-    (``E = plan.epochs``; ``⌊·⌋`` with ``plan.drop_last``; ``B = n`` for a full-batch plan, so one step per epoch).
+    (``E = plan.epochs``, or ``E_1 + E_2 + …`` for per-phase epochs, :func:`total_epochs`; ``⌊·⌋`` with
+    ``plan.drop_last``; ``B = n`` for a full-batch plan, so one step per epoch).
 
     Each step consumes ``per_step·B`` rows (one chunk of the epoch's permutation, see :func:`draw_batch_indices`),
     so an epoch is ``⌈n / (per_step·B)⌉`` steps with the last one partial, as PyTorch's ``DataLoader`` with
     ``batch_size = per_step·B`` (``drop_last=True``: ``⌊·⌋``, the partial chunk dropped). A client with no rows
     takes no step."""
-    if plan.epochs is None:
-        raise ValueError("epoch_steps needs a plan with epochs (local_epochs / finetune_epochs)")
+    return total_epochs(plan) * epoch_batches(n, plan)
+
+
+def epoch_batches(n: int, plan: BatchPlan) -> int:
+    """``nb = ⌈n / (per_step·B)⌉`` (``⌊·⌋`` with ``plan.drop_last``), the steps of one epoch of a client with ``n``
+    rows; 0 for a client with no rows."""
     if n <= 0:
         return 0
     chunk = plan.per_step * (n if plan.batch_size is None else plan.batch_size)
-    per_epoch = n // chunk if plan.drop_last else -(-n // chunk)
-    return plan.epochs * per_epoch
+    return n // chunk if plan.drop_last else -(-n // chunk)
+
+
+def phase_lengths(total: int, plan: BatchPlan) -> list[int]:
+    """The steps of each phase on a call's step axis of ``total`` steps: ``T_p = T · E_p / (E_1 + E_2 + …)`` under
+    per-phase epochs (exact: the sampler makes ``T`` a multiple of ``E_1 + E_2 + …``, ``T = ΣE · max_c nb_c``, see
+    :func:`draw_batch_indices`), ``[T]`` for any other plan. A two-phase algorithm finds its phase boundary here
+    from the step axis alone."""
+    if not isinstance(plan.epochs, tuple):
+        return [total]
+    whole = sum(plan.epochs)
+    if total % whole:
+        raise ValueError(f"a step axis of {total} steps cannot hold the phases {plan.epochs} epochs: it must be a "
+                         f"multiple of {whole} (draw the batches with draw_batch_indices)")
+    return [total // whole * e for e in plan.epochs]
 
 
 def plan_steps(counts: Tensor, plan: BatchPlan) -> Tensor:
@@ -80,25 +107,32 @@ def plan_steps(counts: Tensor, plan: BatchPlan) -> Tensor:
 def _epoch_rows(g: torch.Generator, n: int, plan: BatchPlan, steps: int, width: int) -> tuple[Tensor, Tensor]:
     """One client's local row indices and mask ``[steps·per_step, width]`` under an epoch plan: epoch ``e`` is
     ``torch.randperm(n)`` cut into chunks of ``per_step·width`` rows, one chunk per step, filling batch 0 of the step
-    first; its last chunk may be partial (masked) or dropped (``drop_last``); steps after the last epoch are empty."""
-    per_step = plan.per_step
-    chunk = per_step * width
-    taken = epoch_steps(n, plan)
-    per_epoch = taken // plan.epochs if plan.epochs else 0
-    local = torch.zeros(steps * per_step * width, dtype=torch.long)
-    mask = torch.zeros(steps * per_step * width, dtype=torch.float32)
-    for e in range(plan.epochs or 0):
-        perm = torch.randperm(n, generator=g)[: per_epoch * chunk]
-        start = e * per_epoch * chunk
-        local[start:start + perm.numel()] = perm
-        mask[start:start + perm.numel()] = 1.0
-    return local.view(steps * per_step, width), mask.view(steps * per_step, width)
+    first; its last chunk may be partial (masked) or dropped (``drop_last``). Per-phase epochs ``(E_1, E_2, …)``: the
+    ``E_p`` epochs of phase ``p`` fill the start of its block of :func:`phase_lengths` steps, phase after phase;
+    the steps after a phase's last epoch (the block's padding) are empty."""
+    chunk = plan.per_step * width
+    per_epoch = epoch_batches(n, plan)
+    counts = plan.epochs if isinstance(plan.epochs, tuple) else (plan.epochs or 0,)
+    local = torch.zeros(steps * chunk, dtype=torch.long)
+    mask = torch.zeros(steps * chunk, dtype=torch.float32)
+    block = 0
+    for epochs, length in zip(counts, phase_lengths(steps, plan), strict=True):
+        for e in range(epochs):
+            perm = torch.randperm(n, generator=g)[: per_epoch * chunk]
+            start = (block + e * per_epoch) * chunk
+            local[start:start + perm.numel()] = perm
+            mask[start:start + perm.numel()] = 1.0
+        block += length
+    return local.view(steps * plan.per_step, width), mask.view(steps * plan.per_step, width)
 
 
 def _draw_epochs(seed: int, tag: str, round_idx: int, clients: Tensor, starts: list[int], ends: list[int],
                  plan: BatchPlan, width: int) -> tuple[Tensor, Tensor]:
-    """:func:`draw_batch_indices` under an epoch plan: a step axis of ``max(plan.steps, max_c s_c)`` steps."""
+    """:func:`draw_batch_indices` under an epoch plan: a step axis of ``max(plan.steps, max_c s_c)`` steps, rounded
+    up to a multiple of ``E_1 + E_2 + …`` under per-phase epochs."""
     steps = max([plan.steps, *(epoch_steps(e - s, plan) for s, e in zip(starts, ends, strict=True))])
+    if isinstance(plan.epochs, tuple):
+        steps = -(-steps // total_epochs(plan)) * total_epochs(plan)
     index = torch.zeros(clients.numel(), steps * plan.per_step, width, dtype=torch.long)
     mask = torch.zeros(clients.numel(), steps * plan.per_step, width, dtype=torch.float32)
     for row, (c, start, end) in enumerate(zip(clients.tolist(), starts, ends, strict=True)):
@@ -130,6 +164,12 @@ def draw_batch_indices(
     partial (masked) unless ``drop_last``. The step axis is ``max(plan.steps, max_c s_c)`` long (a caller that
     groups clients passes its group's length); the steps after ``s_c`` are empty (mask 0). Full batch:
     ``B = full_batch_len``, one step per epoch.
+
+    Per-phase epochs ``plan.epochs = (E_1, E_2, …)`` (a two-phase round): the step axis ``T`` is rounded up to a
+    multiple of ``ΣE`` and cut into blocks of ``T_p = T·E_p/ΣE`` steps (:func:`phase_lengths`); client ``c``'s
+    ``E_p·nb_c`` steps of phase ``p`` open block ``p`` and the rest of the block is empty, so every phase ends with
+    its own padding. The permutations are drawn epoch after epoch, phase after phase, from the same generator: a
+    client's rows and masks depend on the others of the call only through ``T``.
 
     Returns:
         ``index [C, steps, per_step, B]`` (int64 rows of the concatenated tensor) and

@@ -48,6 +48,7 @@ __all__ = [
     "check_positive",
     "check_non_negative",
     "check_range",
+    "phase_epochs",
     "started_from",
     "weighted_mean_metrics",
 ]
@@ -138,12 +139,17 @@ class BatchPlan:
     (:func:`~lightning_fedmeta.sampling.epoch_steps`, :func:`~lightning_fedmeta.sampling.draw_batch_indices`);
     ``steps`` is then the length of the call's step axis (at least the largest ``s_c``), its steps beyond ``s_c``
     empty (mask 0).
+
+    A round of two phases (Ditto: global then personal steps; FedRep: head then body steps) gives per-phase epochs
+    ``epochs=(E_1, E_2)``: ``s_c = (E_1 + E_2)·⌈n_c / (per_step·B)⌉``, and the step axis ``T`` (a multiple of
+    ``E_1 + E_2``) holds phase ``p`` in a block of ``T·E_p/(E_1 + E_2)`` steps, each block padded at its end
+    (:func:`~lightning_fedmeta.sampling.phase_lengths`).
     """
 
     steps: int
     per_step: int = 1
     batch_size: int | None = 32
-    epochs: int | None = None
+    epochs: int | tuple[int, ...] | None = None
     drop_last: bool = False
 
 
@@ -315,7 +321,8 @@ class Algorithm(ABC):
         label = type(self).name or type(self).__name__
         for arg, value, plan, method in (("local_epochs", self.local_epochs, self.round_plan(), "round_plan"),
                                          ("finetune_epochs", self.finetune_epochs, self.eval_plan(), "eval_plan")):
-            if value is not None and (plan.epochs != value or plan.drop_last != self.drop_last):
+            carried = plan.epochs == value or (isinstance(plan.epochs, tuple) and value in plan.epochs)
+            if value is not None and (not carried or plan.drop_last != self.drop_last):
                 raise ValueError(
                     f"{arg}: {label!r} lays out its batches with its own {method} ({plan}), which does not count "
                     f"epochs; use {'local_steps' if arg == 'local_epochs' else 'finetune_steps'}"
@@ -520,6 +527,20 @@ def _accept_common_args(cls: type[Algorithm]) -> None:
 
     __init__.__signature__ = sig.replace(parameters=kept + added + var_kw)  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+def phase_epochs(name: str, value: int | None, local_epochs: int | None, steps_arg: str) -> int | None:
+    """The epochs of the second phase of a two-phase round (Ditto's ``personal_epochs``, FedRep's ``head_epochs``):
+    ``value``, or ``local_epochs`` when ``value`` is ``None``; ``None`` without ``local_epochs`` (the round counts
+    steps). Refuses a value that is not an integer ≥ 1, or one given without ``local_epochs``."""
+    if value is None:
+        return local_epochs
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (or None = local_epochs), got {value!r}")
+    if local_epochs is None:
+        raise ValueError(f"{name}={value} counts a phase in epochs, but local_epochs is not set: give local_epochs "
+                         f"too, or count the phase in steps with {steps_arg}")
+    return value
 
 
 def weighted_mean_metrics(metrics: dict[str, Tensor], weights: Tensor) -> dict[str, Tensor]:

@@ -24,10 +24,12 @@ from lightning_fedmeta.algorithms.base import (
     ClientOutput,
     ClientRecord,
     check_non_negative,
+    phase_epochs,
     started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.sampling import phase_lengths
 
 __all__ = ["Ditto"]
 
@@ -41,20 +43,24 @@ class Ditto(Algorithm):
         personal_steps: s, personal SGD steps per round (``None`` = ``local_steps``, as in the paper's
             experiments).
         personal_lr: η_p (``None`` = ``local_lr``).
+        personal_epochs: s counted in epochs over the client's rows, with ``local_epochs`` (``None`` =
+            ``local_epochs``; PFLlib's ``plocal_epochs``, personal, beside ``local_epochs``, global).
         local_steps: τ, FedAvg local steps of the global model.
         local_lr: η.
         batch_size, finetune_steps, finetune_lr, finetune_batch_size: see
             :class:`~lightning_fedmeta.algorithms.base.Algorithm` (fine-tuning starts from v_k).
 
     Each round a client draws ``τ + s`` mini-batches: the first τ for the global model, the last s
-    for its personal model. Client state: ``{"personal": {name: tensor}}``, the personal model (read only
+    for its personal model. Under ``local_epochs`` (E) the round is two phases of epochs, ``(E, E_p)`` with
+    ``E_p = personal_epochs``: client ``c`` takes ``E·nb_c`` global then ``E_p·nb_c`` personal steps
+    (``nb_c = ⌈n_c/B⌉``), each phase in its own block of the step axis, padded with empty steps
+    (:func:`~lightning_fedmeta.sampling.phase_lengths`); both phases skip empty steps. Client state: ``{"personal": {name: tensor}}``, the personal model (read only
     once the client has trained: before that, its personal model is the current global one).
     """
 
     name = "ditto"
     summary = "Ditto: FedAvg global model + personal v_k on F_k(v) + λ/2‖v − w‖² (Li et al., 2021)"
-    unused_args = {"local_epochs": "its round has two phases (global then personal steps); local_epochs would need "
-                   "a per-phase layout: use local_steps and personal_steps"}
+    step_budget = True
 
     def __init__(
         self,
@@ -67,6 +73,7 @@ class Ditto(Algorithm):
         finetune_steps: int = 0,
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = 32,
+        personal_epochs: int | None = None,
     ) -> None:
         super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
         check_non_negative("lam", lam)
@@ -77,9 +84,14 @@ class Ditto(Algorithm):
         self.lam = lam
         self.personal_steps = local_steps if personal_steps is None else personal_steps
         self.personal_lr = local_lr if personal_lr is None else personal_lr
+        self.personal_epochs = phase_epochs("personal_epochs", personal_epochs, self.local_epochs, "personal_steps")
 
     def round_plan(self) -> BatchPlan:
-        """``τ + s`` batches: τ for the global (FedAvg) model, then s for the personal model."""
+        """``τ + s`` batches: τ for the global (FedAvg) model, then s for the personal model; under ``local_epochs``
+        the epochs of the two phases, ``(local_epochs, personal_epochs)``."""
+        if self.local_epochs is not None:
+            return BatchPlan(steps=0, per_step=1, batch_size=self.batch_size,
+                             epochs=(self.local_epochs, self.personal_epochs), drop_last=self.drop_last)
         return BatchPlan(steps=self.local_steps + self.personal_steps, per_step=1, batch_size=self.batch_size)
 
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
@@ -95,11 +107,11 @@ class Ditto(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        w_local, loss = prox_sgd(ctx, params, batches, self.local_lr, 0.0, params, 0, self.local_steps)
+        tau, s = phase_lengths(batches.x.shape[0], self.round_plan()) if self.local_epochs else (
+            self.local_steps, self.personal_steps)
+        w_local, loss = prox_sgd(ctx, params, batches, self.local_lr, 0.0, params, 0, tau)
         v = started_from(client, state["personal"], params)
-        v_new, personal_loss = prox_sgd(
-            ctx, v, batches, self.personal_lr, self.lam, params, self.local_steps, self.personal_steps
-        )
+        v_new, personal_loss = prox_sgd(ctx, v, batches, self.personal_lr, self.lam, params, tau, s)
         return ClientOutput(
             delta=tree_sub(w_local, params),
             state={"personal": v_new},

@@ -29,8 +29,17 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, started_from
+from lightning_fedmeta.algorithms.base import (
+    Algorithm,
+    BatchPlan,
+    ClientOutput,
+    ClientRecord,
+    phase_epochs,
+    started_from,
+)
+from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.sampling import phase_lengths
 
 __all__ = ["FedRep", "FedPer", "SharedRepresentation", "head_names"]
 
@@ -124,14 +133,16 @@ class SharedRepresentation(Algorithm):
             losses.append(loss)
         return trained, losses
 
-    def _output(self, params: Params, body: Params, head: Params, losses: list[Tensor]) -> ClientOutput:
-        """Upload ``(φ_k − φ, h_k − h)``: the body update, and the head's offset from the global head."""
+    def _output(self, params: Params, body: Params, head: Params, losses: list[Tensor], batches: Batch) -> ClientOutput:
+        """Upload ``(φ_k − φ, h_k − h)``: the body update, and the head's offset from the global head. The loss is
+        the mean over the steps taken (empty steps, a straggler's or an epoch layout's padding, are left out)."""
         delta = {k: body[k] - params[k] if k in body else head[k] - params[k] for k in params}
+        loss = mean_over_taken_steps(losses, batches)
         return ClientOutput(
             delta=delta,
             state={HEAD: dict(head)},
             extras={},
-            metrics={"loss": torch.stack(losses).mean()},
+            metrics={"loss": loss},
         )
 
 
@@ -141,15 +152,19 @@ class FedRep(SharedRepresentation):
     Args:
         head_steps: SGD steps on the head (body fixed) per round, ≥ 1 (the paper's 10 local epochs
             of the head become 10 steps here).
+        head_epochs: the head phase counted in epochs, with ``local_epochs`` (the body phase's epochs); ``None`` =
+            ``local_epochs`` (PFLlib's ``plocal_epochs``, head, beside ``local_epochs``, body).
         head_prefix, local_steps, local_lr, batch_size, finetune_*: see :class:`SharedRepresentation`.
 
-    A round draws ``head_steps + local_steps`` mini-batches (head steps first).
+    A round draws ``head_steps + local_steps`` mini-batches (head steps first). Under ``local_epochs`` the round
+    is two phases of epochs, ``(head_epochs, local_epochs)``: client ``c`` takes ``head_epochs·nb_c`` head then
+    ``local_epochs·nb_c`` body steps (``nb_c = ⌈n_c/B⌉``), each phase in its own block of the step axis padded
+    with empty steps (:func:`~lightning_fedmeta.sampling.phase_lengths`), which change nothing.
     """
 
     name = "fedrep"
     summary = "FedRep: local head trained first, then the shared body; only the body is averaged (Collins et al.)"
-    unused_args = {"local_epochs": "its round has two phases (head steps then body steps); local_epochs would need "
-                   "a per-phase layout: use head_steps and local_steps"}
+    step_budget = True
 
     def __init__(
         self,
@@ -161,14 +176,21 @@ class FedRep(SharedRepresentation):
         finetune_steps: int = 0,
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = 32,
+        head_epochs: int | None = None,
     ) -> None:
         super().__init__(head_prefix, local_steps, local_lr, batch_size, finetune_steps, finetune_lr,
                          finetune_batch_size)
         if not isinstance(head_steps, int) or head_steps < 1:
             raise ValueError(f"head_steps must be an integer >= 1, got {head_steps!r}")
         self.head_steps = head_steps
+        self.head_epochs = phase_epochs("head_epochs", head_epochs, self.local_epochs, "head_steps")
 
     def round_plan(self) -> BatchPlan:
+        """``head_steps + local_steps`` batches, head first; under ``local_epochs`` the epochs of the two phases,
+        ``(head_epochs, local_epochs)``."""
+        if self.local_epochs is not None:
+            return BatchPlan(steps=0, per_step=1, batch_size=self.batch_size,
+                             epochs=(self.head_epochs, self.local_epochs), drop_last=self.drop_last)
         return BatchPlan(steps=self.head_steps + self.local_steps, per_step=1, batch_size=self.batch_size)
 
     def client_update(
@@ -181,10 +203,12 @@ class FedRep(SharedRepresentation):
         client: ClientRecord,
     ) -> ClientOutput:
         body, _ = self.split(params)
+        first, then = phase_lengths(batches.x.shape[0], self.round_plan()) if self.local_epochs else (
+            self.head_steps, self.local_steps)
         head, head_losses = self._steps(ctx, self.client_head(params, state, client), body, batches, self.local_lr, 0,
-                                        self.head_steps)
-        body, body_losses = self._steps(ctx, body, head, batches, self.local_lr, self.head_steps, self.local_steps)
-        return self._output(params, body, head, head_losses + body_losses)
+                                        first)
+        body, body_losses = self._steps(ctx, body, head, batches, self.local_lr, first, then)
+        return self._output(params, body, head, head_losses + body_losses, batches)
 
 
 class FedPer(SharedRepresentation):
@@ -204,6 +228,6 @@ class FedPer(SharedRepresentation):
         client: ClientRecord,
     ) -> ClientOutput:
         w = self.personal_start(params, state, server_state, client)
-        w, losses = self._steps(ctx, w, {}, batches, self.local_lr, 0, self.local_steps)
+        w, losses = self._steps(ctx, w, {}, batches, self.local_lr, 0, batches.x.shape[0])
         body, head = self.split(w)
-        return self._output(params, body, head, losses)
+        return self._output(params, body, head, losses, batches)

@@ -88,11 +88,12 @@ def test_appended_empty_steps_change_nothing(name: str) -> None:
 
 
 def test_the_audited_algorithms_declare_step_budget() -> None:
-    """The audit's outcome (docs/concepts.md): these honour empty steps; the two-phase ones and MOCHA do not."""
+    """The audit's outcome (docs/concepts.md): these honour empty steps (the two-phase Ditto and FedRep in each
+    phase: tests/engine/test_local_epochs_phases.py); MOCHA does not."""
     declared = set(_budget_algorithms())
     assert {"fedavg", "fedprox", "scaffold", "reptile", "perfedavg", "ifca", "cfl", "mtl_mean", "mtl_pairwise",
-            "mtl_graph"} <= declared
-    assert not {"ditto", "fedrep", "mocha"} & declared
+            "mtl_graph", "ditto", "fedrep", "fedmaml", "perfedmaml"} <= declared
+    assert "mocha" not in declared
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,10 +231,7 @@ def test_epoch_arguments_are_checked_and_left_out_of_hparams_by_default() -> Non
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("ditto", "two phases .*personal_steps"),
-    ("fedrep", "two phases .*head_steps"),
     ("mocha", "SDCA"),
-    ("fedmaml", "step_budget = True"),
 ])
 def test_algorithms_that_cannot_count_epochs_refuse_them_when_built(name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
