@@ -92,7 +92,12 @@ class ClusteredAlgorithm(Algorithm):
         return {"cluster": torch.tensor(-1, dtype=torch.long)}
 
     def eval_plan(self) -> BatchPlan:
-        """At least one batch: the cluster is chosen by the loss on these batches, then fine-tuned on them."""
+        """At least one batch: the cluster is chosen by the loss on these batches, then fine-tuned on them; under
+        ``finetune_epochs`` (E) the epochs' batches (every training row E times: the loss is the mean over the
+        client's rows), each a fine-tuning step."""
+        if self.finetune_epochs is not None:
+            return BatchPlan(steps=0, per_step=1, batch_size=self.finetune_batch_size, epochs=self.finetune_epochs,
+                             drop_last=self.drop_last)
         return BatchPlan(steps=max(1, self.finetune_steps), per_step=1, batch_size=self.finetune_batch_size)
 
     @abstractmethod
@@ -114,7 +119,8 @@ class ClusteredAlgorithm(Algorithm):
         losses = cluster_losses(ctx, clusters, batches)
         first = next(iter(clusters.values()))
         pick = one_hot(self.eval_cluster(losses, server_state, client), first.shape[0], first.dtype)
-        return self.finetune(ctx, tree_weighted_sum(clusters, pick), batches, self.finetune_steps)
+        steps = self.finetune_steps if self.finetune_epochs is None else None  # None: every batch (empty ones no-ops)
+        return self.finetune(ctx, tree_weighted_sum(clusters, pick), batches, steps)
 
 
 def stack_perturbed(params: Params, k: int, noise: float, seed: int) -> Params:

@@ -54,8 +54,9 @@ class Ditto(Algorithm):
     for its personal model. Under ``local_epochs`` (E) the round is two phases of epochs, ``(E, E_p)`` with
     ``E_p = personal_epochs``: client ``c`` takes ``E·nb_c`` global then ``E_p·nb_c`` personal steps
     (``nb_c = ⌈n_c/B⌉``), each phase in its own block of the step axis, padded with empty steps
-    (:func:`~lightning_fedmeta.sampling.phase_lengths`); both phases skip empty steps. Client state: ``{"personal": {name: tensor}}``, the personal model (read only
-    once the client has trained: before that, its personal model is the current global one).
+    (:func:`~lightning_fedmeta.sampling.phase_lengths`); both phases skip empty steps.
+    Client state: ``{"personal": {name: tensor}}``, the personal model (read only once the client has trained:
+    before that, its personal model is the current global one).
     """
 
     name = "ditto"

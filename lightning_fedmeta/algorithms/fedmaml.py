@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_scale
 
-__all__ = ["FedMAML", "maml_meta_gradient", "split_support_query"]
+__all__ = ["FedMAML", "maml_meta_gradient", "maml_plan", "split_support_query"]
 
 
 def split_support_query(batch: Batch) -> tuple[Batch, Batch]:
@@ -46,6 +47,16 @@ def split_support_query(batch: Batch) -> tuple[Batch, Batch]:
     idx = pos_val.clamp(max=width - 1).long()
     query = Batch(batch.x[idx], batch.y[idx], batch.mask[idx] * (pos_val < m).to(batch.mask.dtype))
     return support, query
+
+
+def maml_plan(algorithm: Algorithm) -> BatchPlan:
+    """FedMAML's and PerFedMAML's round: ``local_steps`` batches of ``2B`` rows (``None``: the whole client), or under
+    ``local_epochs`` (E) ``E·⌈n_c/2B⌉`` of them, consecutive chunks of each epoch's permutation (every row once per
+    epoch, in D^tr or D^val)."""
+    size = None if algorithm.batch_size is None else 2 * algorithm.batch_size
+    steps = algorithm.local_steps if algorithm.local_epochs is None else 0
+    return BatchPlan(steps=steps, per_step=1, batch_size=size, epochs=algorithm.local_epochs,
+                     drop_last=algorithm.drop_last)
 
 
 def maml_meta_gradient(
@@ -85,6 +96,7 @@ class FedMAML(Algorithm):
     """
 
     name = "fedmaml"
+    step_budget = True
     summary = "FedMAML: clients upload MAML meta-gradients, server lr = meta lr β (Chen et al., 2018)"
     unused_args = {
         "local_lr": "FedMAML takes no local SGD steps: alpha is the inner adaptation rate and the meta step "
@@ -110,9 +122,9 @@ class FedMAML(Algorithm):
         self.second_order = bool(second_order)
 
     def round_plan(self) -> BatchPlan:
-        """τ batches of 2B samples, each split into D^tr and D^val by :func:`split_support_query`."""
-        size = None if self.batch_size is None else 2 * self.batch_size
-        return BatchPlan(steps=self.local_steps, per_step=1, batch_size=size)
+        """τ batches of 2B samples, each split into D^tr and D^val by :func:`split_support_query`; under
+        ``local_epochs`` (E), ``E·⌈n_c/2B⌉`` of them, consecutive chunks of each epoch's permutation."""
+        return maml_plan(self)
 
     def client_update(
         self,
@@ -123,15 +135,18 @@ class FedMAML(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        steps = batches.x.shape[0]
         total: Params | None = None
         losses, meta_losses = [], []
-        for t in range(steps):
+        for t in range(batches.x.shape[0]):
             support, query = split_support_query(batches.at(t, 0))
             g, loss, meta_loss = maml_meta_gradient(ctx, params, support, query, self.alpha, self.second_order)
-            total = g if total is None else {k: total[k] + g[k] for k in g}
+            total = g if total is None else {k: total[k] + g[k] for k in g}  # an empty step's g is 0
             losses.append(loss)
             meta_losses.append(meta_loss)
         assert total is not None
-        metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}
-        return ClientOutput(tree_scale(total, -1.0 / steps), state, {}, metrics)
+        metrics = {"loss": mean_over_taken_steps(losses, batches),
+                   "meta_loss": mean_over_taken_steps(meta_losses, batches)}
+        ref = next(iter(total.values()))
+        taken = (batches.mask.reshape(batches.mask.shape[0], -1).sum(1) > 0).sum().to(ref.dtype)  # empty: padding
+        scale = -1.0 / taken.clamp_min(1.0)
+        return ClientOutput(tree_scale(total, scale), state, {}, metrics)

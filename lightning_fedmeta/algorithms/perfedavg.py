@@ -99,8 +99,12 @@ class PerFedAvg(Algorithm):
         self.delta = delta
 
     def round_plan(self) -> BatchPlan:
-        """τ steps of (D, D′) for ``fo``, (D, D′, D″) for ``hf`` and ``exact``."""
-        return BatchPlan(steps=self.local_steps, per_step=_BATCHES_PER_STEP[self.variant], batch_size=self.batch_size)
+        """τ steps of (D, D′) for ``fo``, (D, D′, D″) for ``hf`` and ``exact``. Under ``local_epochs`` (E) a step
+        takes the next ``k·B`` rows of the epoch's permutation (``k`` = 2 or 3 batches): ``E·⌈n_c/(k·B)⌉`` steps, as
+        PFLlib's Per-FedAvg, whose loader yields batches of ``2B`` split into D and D′."""
+        steps = self.local_steps if self.local_epochs is None else 0
+        return BatchPlan(steps=steps, per_step=_BATCHES_PER_STEP[self.variant], batch_size=self.batch_size,
+                         epochs=self.local_epochs, drop_last=self.drop_last)
 
     def meta_direction(
         self, ctx: ClientContext, w: Params, batches: Batch, t: int

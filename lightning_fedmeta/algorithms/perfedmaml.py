@@ -38,8 +38,9 @@ from lightning_fedmeta.algorithms.base import (
     check_non_negative,
     started_from,
 )
-from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, maml_plan, split_support_query
+from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
+from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
 __all__ = ["PerFedMAML"]
 
@@ -69,6 +70,7 @@ class PerFedMAML(Algorithm):
     """
 
     name = "perfedmaml"
+    step_budget = True
     server_optimizer_applies = False
     summary = "PerFedMAML: per-client MAML initialisations θ_i with λ‖θ_i − θ̄‖² coupling to their mean"
     unused_args = {"local_lr": "PerFedMAML's local (meta) step size is beta; alpha is the adaptation rate"}
@@ -98,9 +100,8 @@ class PerFedMAML(Algorithm):
         self.second_order = bool(second_order)
 
     def round_plan(self) -> BatchPlan:
-        """τ batches of 2B samples, each split into D^tr and D^val (as :class:`FedMAML`)."""
-        size = None if self.batch_size is None else 2 * self.batch_size
-        return BatchPlan(steps=self.local_steps, per_step=1, batch_size=size)
+        """τ batches of 2B samples, each split into D^tr and D^val (as :class:`FedMAML`, :func:`maml_plan`)."""
+        return maml_plan(self)
 
     # -- state ---------------------------------------------------------------------------------
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
@@ -136,7 +137,8 @@ class PerFedMAML(Algorithm):
         for t in range(batches.x.shape[0]):
             support, query = split_support_query(batches.at(t, 0))
             g, loss, meta_loss = maml_meta_gradient(ctx, theta, support, query, self.alpha, self.second_order)
-            theta = {k: theta[k] - self.beta * (g[k] + 2.0 * self.lam * (theta[k] - params[k])) for k in theta}
+            rate = self.beta * has_samples(batches.at(t, 0)).to(loss.dtype)  # an empty step (padding) is no step
+            theta = {k: theta[k] - rate * (g[k] + 2.0 * self.lam * (theta[k] - params[k])) for k in theta}
             losses.append(loss)
             meta_losses.append(meta_loss)
         ref = next(iter(theta.values()))
@@ -145,7 +147,8 @@ class PerFedMAML(Algorithm):
         extras: dict[str, Any] = {_SUM: {k: p * (theta[k] - seen * theta_old[k]) for k in theta}}
         extras["total"] = p * (1.0 - seen)
         new_state = {"personal": theta}
-        metrics = {"loss": torch.stack(losses).mean(), "meta_loss": torch.stack(meta_losses).mean()}
+        metrics = {"loss": mean_over_taken_steps(losses, batches),
+                   "meta_loss": mean_over_taken_steps(meta_losses, batches)}
         return ClientOutput(tree_sub(theta, params), new_state, extras, metrics)
 
     def aggregate(
