@@ -36,7 +36,7 @@ def test_each_phase_uses_every_row_once_per_epoch_in_its_own_padded_block() -> N
     taken = mask.sum((2, 3))
     assert taken[0].tolist() == [3, 3, 1, 3, 3, 1, 3, 3, 1]
     assert taken[1].tolist() == [3, 1, 3, 1, 0, 0, 3, 1, 0]
-    for row, (lo, n, per_epoch) in enumerate(((0, 7, 3), (7, 4, 2))):
+    for row, (lo, n) in enumerate(((0, 7), (7, 4))):
         rows = index[row, :, 0][mask[row, :, 0] > 0]
         epochs = rows.split(n)
         assert len(epochs) == 3
