@@ -208,7 +208,7 @@ class Algorithm(ABC):
         local_epochs: E, local epochs per round; when set it replaces ``local_steps``: client ``c`` with ``n_c``
             training rows takes ``E·⌈n_c/B⌉`` steps, each epoch a fresh permutation of its rows (the last batch of
             an epoch may be partial; ``B = n_c`` for full batch). Only algorithms with ``step_budget = True``
-            whose round is one phase of such steps accept it (docs/concepts.md, "Local epochs").
+            accept it; Ditto and FedRep count each of their two phases in epochs (docs/concepts.md, "Local epochs").
         finetune_epochs: the same for the evaluation-time fine-tuning (replaces ``finetune_steps``).
         drop_last: with epochs, drop each epoch's last partial batch (``⌊n_c/B⌋`` steps per epoch), as PyTorch's
             ``DataLoader(drop_last=True)``; a client with fewer than ``B`` rows then takes no step.
