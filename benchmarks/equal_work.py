@@ -16,7 +16,9 @@ aggregation, 5 users held out as new clients, 1000 rounds, seeds 0, 1, 2):
   Hessian-vector product counted as 2). Each algorithm's steps are set so that
   ``benchmarks/accuracy.py`` :func:`grad_evals_per_round` gives 16 (e.g. FedAvg 16 SGD steps,
   Ditto 8 global + 8 personal, FedRep 8 head + 8 body, pFedMe 4 local rounds × 4 inner steps,
-  FedMAML 8 first-order meta-gradients). MOCHA has no gradients and needs a linear model: it runs
+  FedMAML 8 first-order meta-gradients; the issue-27 rows: APFL and FedRoD 8 steps of 2 gradients, FedEM 2
+  components × 8 steps, FedALA 4 weight-learning + 12 SGD steps, FedBN, LG-FedAvg, FedBABU, FedAMP and pFedHN
+  16 SGD steps; FedBN on a SmallCNN with BatchNorm, as the MLP has no normalisation layer). MOCHA has no gradients and needs a linear model: it runs
   a 784→10 linear model with 640 SDCA coordinate steps per round (16 × batch 40 per-sample
   updates); its row is not work-matched in the same unit and says so. Each algorithm is evaluated
   as its authors evaluate it (the algorithm's own ``personalize``: the global model for FedProx
