@@ -33,7 +33,9 @@ import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_fedmeta.evaluation.fairness import best_round, eval_split
 from lightning_fedmeta.plots import metric_file_names, plot_client_metric_hist, plot_metric_vs_round
+from lightning_fedmeta.round_logging import spread_metrics
 
 __all__ = ["HISTORY_FILE", "PlotCallback", "RoundProgressBar", "evaluation_round", "module_algorithm",
            "module_metrics", "read_history"]
@@ -92,6 +94,7 @@ def _upgrade_history(data: dict[str, Any]) -> dict[str, Any]:
     data.setdefault("client_names", None)
     data.setdefault("per_client_round", None)
     data.setdefault("algorithm", None)
+    data.setdefault("eval_split", None)
     return data
 
 
@@ -173,9 +176,16 @@ class PlotCallback(Callback):
       lower-is-better metric;
     * ``fedmeta_history.json`` (version 2): ``{"version", "history": [{"round", "stage", "metrics", "comm"}],
       "primary_metric", "higher_is_better", "metric_directions", "per_client": {metric: [K values]},
-      "is_new_client", "client_names", "per_client_round", "algorithm"}`` (the algorithm's name, which also
-      starts the curve's legend entries), plus ``"per_client_accuracy"`` (the
+      "is_new_client", "client_names", "per_client_round", "algorithm", "eval_split", "best"}`` (the algorithm's
+      name, which also starts the curve's legend entries), plus ``"per_client_accuracy"`` (the
       version-1 key) when the primary metric is ``acc``. :func:`read_history` reads both versions.
+      Each record's ``metrics`` also hold the spread of the per-client values, unweighted over clients
+      (``val/acc_std``, ``val/acc_q10`` ... ``val/new/acc_q90``; :mod:`~lightning_fedmeta.evaluation.fairness`).
+      ``eval_split`` is the split the evaluations scored (``"test"``, ``"validation"`` under
+      ``data.validation_fraction``, ``null`` when unknown) and ``best`` maps each stage to the best round of the
+      primary metric's weighted value next to the final one (:func:`~lightning_fedmeta.evaluation.fairness.best_round`:
+      ``{"metric", "value", "round", "final_value", "final_round", "label"}``, the label ``"best round (chosen on
+      test data)"`` or ``"best round (validation)"``).
 
     The history, primary metric and direction are part of the callback's checkpoint state, so a
     resumed run keeps its curve.
@@ -203,6 +213,7 @@ class PlotCallback(Callback):
         self.client_names: list[str] | None = None
         self.last_round: int | None = None
         self.algorithm: str | None = None
+        self.eval_split: str | None = None
 
     @property
     def per_client_accuracy(self) -> list[float] | None:
@@ -236,6 +247,10 @@ class PlotCallback(Callback):
         }
         if not metrics:
             return
+        summary = getattr(pl_module, "last_summary", None)
+        if isinstance(summary, Mapping):  # the spreads are logged beside callback_metrics, not in it
+            metrics.update(spread_metrics(stage, dict(summary)))
+        self.eval_split = eval_split(getattr(trainer, "datamodule", None)) or self.eval_split
         r = evaluation_round(trainer, pl_module)
         self.history = [h for h in self.history if not (h["round"] == r and h["stage"] == stage)]
         entry: dict[str, Any] = {"round": r, "stage": stage, "metrics": metrics}
@@ -299,11 +314,25 @@ class PlotCallback(Callback):
             "metric_directions": dict(self.metric_directions),
             "per_client": per_client,
             "algorithm": self.algorithm,
+            "eval_split": self.eval_split,
+            "best": self.best_rounds(),
         }
         if self.primary_metric == "acc":  # the version-1 key, for readers that predate chosen metrics
             doc["per_client_accuracy"] = None if per_client is None else per_client.get("acc")
         doc.update(is_new_client=self.is_new_client, client_names=self.client_names, per_client_round=self.last_round)
         return doc
+
+    def best_rounds(self) -> dict[str, dict[str, Any]]:
+        """Stage -> the best and final round of the primary metric's weighted value
+        (:func:`~lightning_fedmeta.evaluation.fairness.best_round`), for the stages evaluated."""
+        out: dict[str, dict[str, Any]] = {}
+        for stage in ("val", "test"):
+            entries = [h for h in self.history if h["stage"] == stage]
+            found = best_round(entries, f"{stage}/{self.primary_metric}_weighted", self.higher_is_better,
+                               self.eval_split)
+            if found is not None:
+                out[stage] = found
+        return out
 
     @rank_zero_only
     def write(self, trainer: pl.Trainer, dirpath: str | Path | None = None) -> None:
@@ -335,6 +364,7 @@ class PlotCallback(Callback):
             "higher_is_better": self.higher_is_better,
             "metric_directions": dict(self.metric_directions),
             "algorithm": self.algorithm,
+            "eval_split": self.eval_split,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -343,6 +373,8 @@ class PlotCallback(Callback):
         self.metric_directions = dict(state_dict.get("metric_directions", _ACCURACY_DIRECTIONS))
         algorithm = state_dict.get("algorithm")
         self.algorithm = algorithm if isinstance(algorithm, str) else None
+        split = state_dict.get("eval_split")
+        self.eval_split = split if isinstance(split, str) else None
         self.higher_is_better = bool(
             state_dict.get("higher_is_better", self.metric_directions.get(self.primary_metric, True))
         )

@@ -17,8 +17,12 @@ Runs whose configuration (the ``config.yaml`` or ``hparams.yaml`` next to the hi
 its seeds (:data:`SEED_KEYS`) form a group, named after its algorithm. The figure (PDF, SVG or PNG by the
 ``--out`` extension; a folder gets ``compare.png``) draws each group's mean over its seeds with a band
 (``--band minmax|std|none``) and y-limits from the data. Printed (markdown; also ``--table FILE.md``): per
-group, final weighted value, final worst decile and best weighted value as mean ± sample std over its
-runs, and with ``--baseline NAME`` the paired differences of every other group against it, seed by seed.
+group, final weighted value, final worst decile, (when recorded) the final standard deviation of the per-client
+values over the training clients and the final weighted value of the held-out (unseen, ``new``) clients, and the
+best round's weighted value with its round, as mean ± sample std over its runs; the best-round column is labelled
+"best round (chosen on test data)" when the runs evaluated the test split, "best round (validation)" under
+``data.validation_fraction`` (the history's ``eval_split``). With ``--baseline NAME``: the paired differences of
+every other group against it, seed by seed.
 docs/cli.md, section ``fedmeta compare``, has an example.
 """
 
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_fedmeta.callbacks import HISTORY_FILE, read_history
+from lightning_fedmeta.evaluation.fairness import best_round, best_round_label
 from lightning_fedmeta.plots import BANDS, FIGURE_FORMATS, metric_label, metric_series, plot_groups, save_figure
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ __all__ = [
     "RunSummary",
     "algorithm_name",
     "available_metrics",
+    "best_label",
     "compare_main",
     "default_higher_is_better",
     "difference_table",
@@ -219,7 +225,7 @@ def load_run_info(logdir: str | Path) -> RunInfo:
     source = find_history_file(logdir)
     if source.suffix == ".csv":
         return {"history": _read_csv(source), "primary_metric": None, "metric_directions": {}, "source": source,
-                "algorithm": None}
+                "algorithm": None, "eval_split": None}
     doc = _read_json_history(source)
     return {
         "history": list(doc["history"]),
@@ -227,6 +233,7 @@ def load_run_info(logdir: str | Path) -> RunInfo:
         "metric_directions": dict(doc["metric_directions"]),
         "source": source,
         "algorithm": doc.get("algorithm") if isinstance(doc.get("algorithm"), str) else None,
+        "eval_split": doc.get("eval_split") if doc.get("eval_split") in ("test", "validation") else None,
     }
 
 
@@ -313,20 +320,27 @@ def resolve_direction(infos: Mapping[str, RunInfo], metric: str, mode: str | Non
 def summarize_run(
     history: Sequence[dict[str, Any]], stage: str = "val", metric: str = "acc", higher_is_better: bool = True
 ) -> RunSummary:
-    """Final and best weighted value, final worst decile, and the last evaluated round of one metric.
+    """Final and best weighted value (and the best round), final worst decile, final standard deviation over the
+    training clients, final weighted value of the held-out clients, and the last evaluated round of one metric.
 
     Returns:
-        ``{"final_{metric}_weighted", "final_{metric}_worst10", "best_{metric}_weighted", "rounds"}``;
-        "best" is the maximum when ``higher_is_better``, else the minimum; ``nan`` where the run
-        never logged the value.
+        ``{"final_{metric}_weighted", "final_{metric}_worst10", "final_{metric}_std", "final_new_{metric}_weighted",
+        "best_{metric}_weighted", "best_round", "rounds"}``; "best" is the maximum when ``higher_is_better``, else
+        the minimum (the earliest round on a tie; :func:`~lightning_fedmeta.evaluation.fairness.best_round`);
+        ``nan`` (``best_round``: ``None``) where the run never logged the value.
     """
     rounds, weighted = metric_series(history, f"{stage}/{metric}_weighted")
     worst_rounds, worst = metric_series(history, f"{stage}/{metric}_worst10")
-    best = max if higher_is_better else min
+    _, std = metric_series(history, f"{stage}/{metric}_std")
+    _, new = metric_series(history, f"{stage}/new/{metric}_weighted")
+    best = best_round(history, f"{stage}/{metric}_weighted", higher_is_better, None)
     return {
         f"final_{metric}_weighted": weighted[-1] if weighted else math.nan,
         f"final_{metric}_worst10": worst[-1] if worst else math.nan,
-        f"best_{metric}_weighted": best(weighted) if weighted else math.nan,
+        f"final_{metric}_std": std[-1] if std else math.nan,
+        f"final_new_{metric}_weighted": new[-1] if new else math.nan,
+        f"best_{metric}_weighted": best["value"] if best else math.nan,
+        "best_round": best["round"] if best else None,
         "rounds": rounds[-1] if rounds else (worst_rounds[-1] if worst_rounds else 0),
     }
 
@@ -577,8 +591,31 @@ def name_groups(groups: Sequence[Group], labels: Sequence[str] | None) -> None:
 GroupSummary = dict[str, Any]
 
 
-def _stat_keys(metric: str) -> tuple[str, str, str]:
-    return f"final_{metric}_weighted", f"final_{metric}_worst10", f"best_{metric}_weighted"
+def _stat_keys(metric: str) -> tuple[str, ...]:
+    """The values summarised over seeds, in the order of the table's columns."""
+    return (f"final_{metric}_weighted", f"final_{metric}_worst10", f"final_{metric}_std",
+            f"final_new_{metric}_weighted", f"best_{metric}_weighted")
+
+
+def _shown_keys(summaries: Mapping[str, GroupSummary], metric: str) -> list[str]:
+    """:func:`_stat_keys` without the spread and unseen-client columns when no run records them (older histories,
+    no held-out clients)."""
+    optional = (f"final_{metric}_std", f"final_new_{metric}_weighted")
+    return [k for k in _stat_keys(metric)
+            if k not in optional or any(math.isfinite(v) for s in summaries.values() for v in _finite_runs(s, k))]
+
+
+def _finite_runs(summary: GroupSummary, key: str) -> list[float]:
+    """The per-run values of ``key`` in a group summary, or in a paired-difference row (its mean)."""
+    runs = summary.get("per_run")
+    return [float(r[key]) for r in runs] if runs is not None else [float(summary.get(key, math.nan))]
+
+
+def best_label(infos: Sequence[RunInfo]) -> str:
+    """The best-round label of a comparison: the runs' common ``eval_split`` (``"test"``: chosen on test data;
+    ``"validation"``); runs that differ or do not record it: "split not recorded"."""
+    splits = {info.get("eval_split") for info in infos}
+    return best_round_label(splits.pop() if len(splits) == 1 else None)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
@@ -598,13 +635,13 @@ def summarize_group(
     """Each of :func:`summarize_run`'s values as mean and sample std over the group's runs.
 
     Returns:
-        ``{"n", "seeds": [text], "runs": [name], "rounds": [last round per run], "per_run": [RunSummary],
-        key: mean, f"{key}_std": std}`` for the keys ``final_{metric}_weighted``, ``final_{metric}_worst10``
-        and ``best_{metric}_weighted``.
+        ``{"n", "seeds": [text], "runs": [name], "rounds": [last round per run], "best_rounds": [best round per
+        run], "per_run": [RunSummary], key: mean, f"{key}_std": std}`` for the keys of :func:`_stat_keys`.
     """
     per_run = [summarize_run(r.info["history"], stage, metric, higher_is_better) for r in group.runs]
     out: GroupSummary = {"n": len(per_run), "seeds": [seed_text(r.seed) for r in group.runs],
                          "runs": [r.name for r in group.runs], "rounds": [s["rounds"] for s in per_run],
+                         "best_rounds": [s["best_round"] for s in per_run if s["best_round"] is not None],
                          "per_run": per_run}
     for key in _stat_keys(metric):
         out[key], out[f"{key}_std"], _ = mean_std([s[key] for s in per_run])
@@ -667,35 +704,52 @@ def _cell(mean: float, std: float, signed: bool = False) -> str:
 
 
 def _rounds_text(rounds: Sequence[int]) -> str:
-    lo, hi = min(rounds, default=0), max(rounds, default=0)
+    if not rounds:
+        return "n/a"
+    lo, hi = min(rounds), max(rounds)
     return str(hi) if lo == hi else f"{lo}–{hi}"
 
 
+def _headings(metric: str, higher_is_better: bool, label: str) -> dict[str, str]:
+    """Column heading of each :func:`_stat_keys` value."""
+    return {f"final_{metric}_weighted": f"final weighted {metric}", f"final_{metric}_worst10": "final worst decile",
+            f"final_{metric}_std": "final std over clients",
+            f"final_new_{metric}_weighted": f"final unseen clients weighted {metric}",
+            f"best_{metric}_weighted": f"{label}: weighted {metric}" + ("" if higher_is_better else " (min)")}
+
+
 def group_table(groups: Sequence[Group], summaries: Mapping[str, GroupSummary], metric: str = "acc",
-                higher_is_better: bool = True) -> str:
-    """The markdown table of groups: runs, seeds, and each value as mean ± sample std over the runs."""
-    best = f"best weighted {metric}" + ("" if higher_is_better else " (min)")
-    lines = [f"| group | runs | seeds | final weighted {metric} | final worst decile | {best} | rounds |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+                higher_is_better: bool = True, label: str | None = None) -> str:
+    """The markdown table of groups: runs, seeds, and each value as mean ± sample std over the runs; the final
+    round first (the headline), the best round's value labelled with the split it was chosen on (``label``,
+    :func:`best_label`), its round and the last round."""
+    label = label or best_round_label(None)
+    keys = _shown_keys(summaries, metric)
+    heads = _headings(metric, higher_is_better, label)
+    lines = ["| group | runs | seeds | " + " | ".join(heads[k] for k in keys) + " | best round | rounds |",
+             "|---|---:|---|" + "---:|" * (len(keys) + 2)]
     for g in groups:
         s = summaries[g.label]
-        cells = " | ".join(_cell(s[k], s[f"{k}_std"]) for k in _stat_keys(metric))
-        lines.append(f"| {g.label} | {s['n']} | {', '.join(s['seeds'])} | {cells} | {_rounds_text(s['rounds'])} |")
-    lines.append("\nValues: mean ± sample standard deviation (n − 1) over the runs of a group (one run: its value).")
+        cells = " | ".join(_cell(s[k], s[f"{k}_std"]) for k in keys)
+        lines.append(f"| {g.label} | {s['n']} | {', '.join(s['seeds'])} | {cells} | "
+                     f"{_rounds_text(s['best_rounds'])} | {_rounds_text(s['rounds'])} |")
+    lines.append("\nValues: mean ± sample standard deviation (n − 1) over the runs of a group (one run: its value). "
+                 "Std over clients: unweighted over the training clients; unseen clients: the held-out (`new`) ones.")
     return "\n".join(lines)
 
 
 def difference_table(differences: Mapping[str, GroupSummary], baseline: str, metric: str = "acc",
-                     higher_is_better: bool = True) -> str:
+                     higher_is_better: bool = True, label: str | None = None) -> str:
     """The markdown table of :func:`paired_differences` against ``baseline``."""
-    best = f"Δ best weighted {metric}" + ("" if higher_is_better else " (min)")
+    keys = _shown_keys(differences, metric)
+    heads = _headings(metric, higher_is_better, label or best_round_label(None))
     lines = [f"Paired differences against {baseline} (group − {baseline}, seed by seed over the seeds both ran; "
              "mean ± sample std):\n",
-             f"| group | paired seeds | Δ final weighted {metric} | Δ final worst decile | {best} |",
-             "|---|---|---:|---:|---:|"]
-    for label, d in differences.items():
-        cells = " | ".join(_cell(d[k], d[f"{k}_std"], signed=True) for k in _stat_keys(metric))
-        lines.append(f"| {label} | {', '.join(d['seeds']) or 'none in common'} | {cells} |")
+             "| group | paired seeds | " + " | ".join(f"Δ {heads[k]}" for k in keys) + " |",
+             "|---|---|" + "---:|" * len(keys)]
+    for name, d in differences.items():
+        cells = " | ".join(_cell(d[k], d[f"{k}_std"], signed=True) for k in keys)
+        lines.append(f"| {name} | {', '.join(d['seeds']) or 'none in common'} | {cells} |")
     return "\n".join(lines)
 
 
@@ -830,11 +884,12 @@ def compare_main(argv: Sequence[str] | None = None, stream: TextIO | None = None
     groups = group_runs(runs, args.grouped)
     name_groups(groups, args.labels)
     summaries = {g.label: summarize_group(g, args.stage, metric, higher) for g in groups}
-    table = group_table(groups, summaries, metric, higher)
+    label = best_label([run.info for run in runs])
+    table = group_table(groups, summaries, metric, higher, label)
     differences = None
     if args.baseline is not None:
         differences = paired_differences(groups, summaries, args.baseline, metric)
-        table += "\n\n" + difference_table(differences, args.baseline, metric, higher)
+        table += "\n\n" + difference_table(differences, args.baseline, metric, higher, label)
     x_of = {g.label: uploaded_megabytes(g, args.stage) for g in groups} if args.x == "bytes" else None
     figure = plot_groups({g.label: [r.info["history"] for r in g.runs] for g in groups}, stage=args.stage,
                          metric=metric, higher_is_better=higher, band=args.band, worst10=args.worst10,

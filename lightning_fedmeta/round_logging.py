@@ -7,7 +7,11 @@ from ``model.seed``, so ε holds only against someone who does not know the seed
 ``comm/up_bytes``, ``comm/down_bytes`` with the run's totals ``comm/{up,down}_bytes_cumulative``
 (docs/communication.md; written to the loggers directly). Per evaluation:
 ``<stage>/<metric>_{weighted,mean,worst10}`` for the training
-clients and ``<stage>/<group>/...`` for the held-out (``new``) and honest clients.
+clients and ``<stage>/<group>/...`` for the held-out (``new``) and honest clients, and the spread of the per-client
+values, unweighted over clients, ``<stage>/[<group>/]<metric>_{std,q10,q25,q50,q75,q90}``
+(:mod:`~lightning_fedmeta.evaluation.fairness`), written to the loggers directly (not through ``module.log``:
+``trainer.callback_metrics``, which checkpoint monitors and the run fingerprints read, stays as it was; the history
+reads them from ``last_summary``).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from lightning_fedmeta.evaluation.fairness import SPREAD_KEY
 from lightning_fedmeta.loop.round import RoundReport
 
-__all__ = ["log_round", "log_summary", "log_traffic", "logs_round"]
+__all__ = ["log_round", "log_spread", "log_summary", "log_traffic", "logs_round", "spread_metrics"]
 
 _STEP = {"on_step": True, "on_epoch": False, "batch_size": 1}
 
@@ -83,11 +88,36 @@ def summary_metrics(stage: str, summary: dict[str, dict[str, Tensor]], sample: T
     return out
 
 
+def spread_metrics(stage: str, summary: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's per-client spreads (``summary["_spread"]``) by logged name: ``<stage>/<metric>_std``,
+    ``<stage>/<metric>_q10`` ... for the training clients, ``<stage>/<group>/...`` for the other groups."""
+    out: dict[str, float] = {}
+    for group, values in (summary.get(SPREAD_KEY) or {}).items():
+        prefix = f"{stage}/" if group == "clients" else f"{stage}/{group}/"
+        out.update({prefix + name: float(v) for name, v in values.items()})
+    return out
+
+
+def log_spread(module: Any, stage: str, summary: dict[str, Any], step: int | None = None) -> None:
+    """Write the spreads (:func:`spread_metrics`) to every logger at ``step`` (default: the step Lightning logs
+    this evaluation's summaries at), on rank zero."""
+    trainer = module._trainer
+    values = spread_metrics(stage, summary)
+    if trainer is None or not values or not trainer.is_global_zero:
+        return
+    if step is None:
+        step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)  # Lightning's own default step
+    for logger in trainer.loggers:
+        logger.log_metrics(values, step=step)
+
+
 def log_summary(module: Any, stage: str, summary: dict[str, dict[str, Tensor]], sample: Tensor | None) -> None:
-    """Log an evaluation's summaries (``sample``: the clients of a sampled validation, else ``None``)."""
+    """Log an evaluation's summaries (``sample``: the clients of a sampled validation, else ``None``) through
+    ``module.log``, and their per-client spreads to the loggers (:func:`log_spread`)."""
     primary = f"{stage}/{module.primary_metric}_weighted"
     for name, value in summary_metrics(stage, summary, sample).items():
         module.log(name, value, prog_bar=name == primary, batch_size=1, sync_dist=False)
+    log_spread(module, stage, summary)
 
 
 def record_outside_validation(module: Any, summary: dict[str, dict[str, Tensor]], round_idx: int) -> None:
@@ -100,6 +130,7 @@ def record_outside_validation(module: Any, summary: dict[str, dict[str, Tensor]]
     trainer.callback_metrics.update(metrics)
     for logger in trainer.loggers:  # at the step Lightning gives a validation after round r: r − 1 (its counter
         logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=round_idx - 1)  # moves on after it)
+    log_spread(module, "val", summary, step=round_idx - 1)
     for callback in trainer.callbacks:
         callback.on_validation_end(trainer, module)
 

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.evaluation.fairness import SPREAD_KEY, spread_keys, spread_summary
 from lightning_fedmeta.evaluation.scoring import score_client
 from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Batch, Params
@@ -168,9 +169,17 @@ class Evaluator:
             del scores
         engine.model.train(was_training)
         self.metric.sync(clients, ranks.reduce if ranks.world > 1 else None)
-        summary = self.metric.summaries(engine.federation.summary_groups(evaluated if sampled else None))
+        summary = self._summaries(evaluated if sampled else None)
         self._keep(summary, round_idx, evaluated, evaluated if sampled else None)
         return summary, evaluated, sampled
+
+    def _summaries(self, evaluated: Tensor | None) -> Summary:
+        """The metric states' summaries per client group (``evaluated``: the clients of a sampled evaluation), with
+        the per-client spread of every metric under ``summary["_spread"]`` (kept out of the logged summaries)."""
+        groups = self.engine.federation.summary_groups(evaluated)
+        summary = self.metric.summaries(groups)
+        summary[SPREAD_KEY] = spread_summary(summary["_per_client"], groups, spread_keys(self.metric_directions))
+        return summary
 
     def _keep(self, summary: Summary, round_idx: int, scored: Tensor, evaluated: Tensor | None) -> None:
         self.last_summary = summary
@@ -202,7 +211,7 @@ class Evaluator:
         if float(self.metric.total.sum()) > 0:
             scored = (self.metric.total.cpu() > 0).nonzero().flatten()  # a data.eval_clients sample: those only
             evaluated = None if scored.numel() == self.metric.total.numel() else scored
-            summary = self.metric.summaries(self.engine.federation.summary_groups(evaluated))
+            summary = self._summaries(evaluated)
             self.last_summary = summary
             self.last_evaluated = scored
             self.last_per_client = blank_unevaluated(summary["_per_client"], evaluated)

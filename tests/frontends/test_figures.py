@@ -88,7 +88,7 @@ def test_compare_groups_seeds_and_tabulates_means_and_paired_differences(tmp_pat
     for alg in FINALS:
         cells = [_mean_std([FINALS[alg][s][i] for s in (0, 1, 2)]) for i in range(3)]
         assert rows[alg] == (f"| {alg} | 3 | 0, 1, 2 | "
-                             + " | ".join(f"{m:.4f} ± {sd:.4f}" for m, sd in cells) + " | 6 |")
+                             + " | ".join(f"{m:.4f} ± {sd:.4f}" for m, sd in cells) + " | 4 | 6 |")
     # paired seed by seed (not by position: perfedavg's runs come in the order 2, 0, 1)
     diffs = [_mean_std([FINALS["perfedavg"][s][i] - FINALS["fedavg"][s][i] for s in (0, 1, 2)]) for i in range(3)]
     paired = [ln for ln in result.table.splitlines() if ln.startswith("| perfedavg | 0, 1, 2 |")]

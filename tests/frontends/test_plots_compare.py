@@ -37,7 +37,18 @@ from tests.helpers import make_trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # the head of `fedmeta compare`'s table of groups (issue 31: a row per group of seeds, mean ± std)
-GROUP_HEAD = "| group | runs | seeds | final weighted acc | final worst decile | best weighted acc | rounds |"
+# (issue 26: the best round's value is labelled with the split it was chosen on, and its round follows it)
+GROUP_HEAD = ("| group | runs | seeds | final weighted acc | final worst decile | "
+              "best round (split not recorded): weighted acc | best round | rounds |")
+# runs written by a fit on the clients' test sets record the spread over clients and their split
+FIT_HEAD = ("| group | runs | seeds | final weighted acc | final worst decile | final std over clients | "
+            "best round (chosen on test data): weighted acc | best round | rounds |")
+CORE = ("final_acc_weighted", "final_acc_worst10", "best_acc_weighted", "rounds")
+
+
+def _core(summary: dict, metric: str = "acc") -> dict:
+    """The final, worst-decile, best and last-round values of a run summary (the keys before issue 26)."""
+    return {k.replace("acc", metric): summary[k.replace("acc", metric)] for k in CORE}
 
 
 def _history(values: list[tuple[int, float, float]], stage: str = "val") -> list[dict]:
@@ -110,13 +121,15 @@ def test_compare_two_runs_prints_table_and_writes_plot(tmp_path: Path, capsys: p
     printed = capsys.readouterr().out
     assert _is_png(tmp_path / "cmp" / "compare.png")
     lines = [ln for ln in printed.splitlines() if ln.startswith("| ")]
-    assert lines[0] == GROUP_HEAD
+    assert lines[0] == FIT_HEAD
     for name in ("slow", "fast"):  # no config file next to these histories: one group per run, named by folder
         hist = read_history(tmp_path / name / HISTORY_FILE)["history"]
         final = hist[-1]["metrics"]
         row = next(ln for ln in lines if ln.startswith(f"| {name} |"))
+        best = max(hist, key=lambda h: h["metrics"]["val/acc_weighted"])
         assert row == (f"| {name} | 1 | ? | {final['val/acc_weighted']:.4f} | {final['val/acc_worst10']:.4f} | "
-                       f"{max(h['metrics']['val/acc_weighted'] for h in hist):.4f} | 4 |")
+                       f"{final['val/acc_std']:.4f} | {best['metrics']['val/acc_weighted']:.4f} | "
+                       f"{best['round']} | 4 |")
 
 
 def test_compare_reads_csv_logger_files_with_lightning_step_convention(tmp_path: Path) -> None:
@@ -128,8 +141,9 @@ def test_compare_reads_csv_logger_files_with_lightning_step_convention(tmp_path:
     )
     hist = load_run(tmp_path / "csvrun")
     assert [(h["round"], h["stage"]) for h in hist] == [(2, "val"), (4, "val"), (4, "test")]
-    assert summarize_run(hist) == {"final_acc_weighted": 0.6, "final_acc_worst10": 0.3,
-                                   "best_acc_weighted": 0.6, "rounds": 4}
+    assert _core(summarize_run(hist)) == {"final_acc_weighted": 0.6, "final_acc_worst10": 0.3,
+                                          "best_acc_weighted": 0.6, "rounds": 4}
+    assert summarize_run(hist)["best_round"] == 4
 
 
 def test_compare_explains_a_folder_without_history(tmp_path: Path) -> None:
@@ -281,8 +295,8 @@ def test_an_old_history_file_still_loads_and_compares(tmp_path: Path, capsys: py
 
     capsys.readouterr()
     summaries = compare_main([str(tmp_path / "old"), "--out", str(tmp_path)]).summaries
-    assert summaries["old"]["per_run"] == [{"final_acc_weighted": 0.4, "final_acc_worst10": 0.2,
-                                            "best_acc_weighted": 0.5, "rounds": 4}]
+    assert [_core(s) for s in summaries["old"]["per_run"]] == [{"final_acc_weighted": 0.4, "final_acc_worst10": 0.2,
+                                                                "best_acc_weighted": 0.5, "rounds": 4}]
     assert GROUP_HEAD in capsys.readouterr().out
     summaries = compare_main([str(tmp_path / "old"), "--metric", "loss", "--out", str(tmp_path)]).summaries
     assert summaries["old"]["best_loss_weighted"] == 0.9  # the loss is lower-is-better: best = min
@@ -290,7 +304,7 @@ def test_an_old_history_file_still_loads_and_compares(tmp_path: Path, capsys: py
 
 def test_summarize_run_takes_the_minimum_of_a_lower_is_better_metric() -> None:
     hist = _metric_history("mse", [(2, 4.0, 9.5), (4, 2.5, 7.0), (6, 3.0, 8.0)])
-    assert summarize_run(hist, metric="mse", higher_is_better=False) == {
+    assert _core(summarize_run(hist, metric="mse", higher_is_better=False), "mse") == {
         "final_mse_weighted": 3.0, "final_mse_worst10": 8.0, "best_mse_weighted": 2.5, "rounds": 6}
     assert summarize_run(hist, metric="mse")["best_mse_weighted"] == 4.0
     table = markdown_table({"r": summarize_run(hist, metric="mse", higher_is_better=False)}, "mse", False)
@@ -311,8 +325,9 @@ def test_compare_uses_the_stored_primary_metric_and_its_direction(tmp_path: Path
     run(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")])
     rows = _table_rows(capsys.readouterr().out)
     assert rows[0] == ("| group | runs | seeds | final weighted mse | final worst decile | "
-                       "best weighted mse (min) | rounds |")
-    assert rows[1:] == ["| a | 1 | ? | 3.0000 | 8.0000 | 2.5000 | 6 |", "| b | 1 | ? | 4.5000 | 8.5000 | 4.5000 | 4 |"]
+                       "best round (split not recorded): weighted mse (min) | best round | rounds |")
+    assert rows[1:] == ["| a | 1 | ? | 3.0000 | 8.0000 | 2.5000 | 4 | 6 |",
+                        "| b | 1 | ? | 4.5000 | 8.5000 | 4.5000 | 4 | 4 |"]
     assert _is_png(tmp_path / "cmp" / "compare.png")
 
 
@@ -325,12 +340,13 @@ def test_compare_metric_option_picks_the_columns(tmp_path: Path, capsys: pytest.
     _record_run(tmp_path / "f1run", module, history)
     capsys.readouterr()
     expected = {
-        None: ("| group | runs | seeds | final weighted f1 | final worst decile | best weighted f1 | rounds |",
-               "| f1run | 1 | ? | 0.5500 | 0.3500 | 0.6000 | 6 |"),
-        "acc": (GROUP_HEAD, "| f1run | 1 | ? | 0.7500 | 0.4500 | 0.7500 | 6 |"),
+        None: ("| group | runs | seeds | final weighted f1 | final worst decile | "
+               "best round (split not recorded): weighted f1 | best round | rounds |",
+               "| f1run | 1 | ? | 0.5500 | 0.3500 | 0.6000 | 4 | 6 |"),
+        "acc": (GROUP_HEAD, "| f1run | 1 | ? | 0.7500 | 0.4500 | 0.7500 | 6 | 6 |"),
         "loss": ("| group | runs | seeds | final weighted loss | final worst decile | "
-                 "best weighted loss (min) | rounds |",
-                 "| f1run | 1 | ? | 0.9000 | 1.9000 | 0.8000 | 6 |"),
+                 "best round (split not recorded): weighted loss (min) | best round | rounds |",
+                 "| f1run | 1 | ? | 0.9000 | 1.9000 | 0.8000 | 4 | 6 |"),
     }
     for metric, (head, row) in expected.items():
         extra = [] if metric is None else ["--metric", metric]
@@ -339,7 +355,7 @@ def test_compare_metric_option_picks_the_columns(tmp_path: Path, capsys: pytest.
         assert (rows[0], rows[1]) == (head, row), metric
     # --mode overrides the direction
     run(["compare", str(tmp_path / "f1run"), "--metric", "acc", "--mode", "min", "--out", str(tmp_path)])
-    assert _table_rows(capsys.readouterr().out)[1] == "| f1run | 1 | ? | 0.7500 | 0.4500 | 0.6500 | 6 |"
+    assert _table_rows(capsys.readouterr().out)[1] == "| f1run | 1 | ? | 0.7500 | 0.4500 | 0.6500 | 4 | 6 |"
 
 
 def test_compare_refuses_runs_with_different_primary_metrics(tmp_path: Path,
@@ -375,9 +391,9 @@ def test_compare_reads_a_regression_csv_logger_file(tmp_path: Path, capsys: pyte
     assert available_metrics(hist) == ["loss", "mse"]
     capsys.readouterr()
     summaries = compare_main([str(tmp_path / "csvreg"), "--out", str(tmp_path)]).summaries  # the only one but loss
-    assert summaries["csvreg"]["per_run"] == [{"final_mse_weighted": 1.25, "final_mse_worst10": 4.5,
-                                               "best_mse_weighted": 1.1, "rounds": 6}]  # mse: lower is better
-    assert "best weighted mse (min)" in capsys.readouterr().out
+    assert [_core(s, "mse") for s in summaries["csvreg"]["per_run"]] == [
+        {"final_mse_weighted": 1.25, "final_mse_worst10": 4.5, "best_mse_weighted": 1.1, "rounds": 6}]  # lower: best
+    assert "best round (split not recorded): weighted mse (min)" in capsys.readouterr().out
     with pytest.raises(CompareError, match="no run logs 'val/acc_weighted'"):
         compare_main([str(tmp_path / "csvreg"), "--metric", "acc", "--out", str(tmp_path)])
 
