@@ -84,6 +84,8 @@ RESULTS_FILE = "results.jsonl"
 #                      personal head's gradient through its own forward/backward pass)
 #   fedem:             M·τ          (M = ``num_components``: τ steps for each component; the E-step's M loss
 #                      evaluations are forward passes only, not counted)
+#   fedproto, feddbe:  τ            (the prototype / running-mean regularisers are in the same forward/backward)
+#   fedfomo:           τ            (+ one forward pass on the validation batch per received model, not counted)
 #   fedala:            A + τ        (A = max(``ala_steps``, ``ala_start_steps``) W-gradient steps ∇_θ̂ f(θ̂_k; D):
 #                      the client computes A every round, the steps beyond ``ala_steps`` at rate 0 after the first)
 _PER_STEP: dict[str, Any] = {
@@ -109,6 +111,9 @@ _PER_STEP: dict[str, Any] = {
     "apfl": 2,
     "fedrod": 2,
     "fedem": lambda hp: hp.get("num_components"),
+    "fedproto": 1,
+    "feddbe": 1,
+    "fedfomo": 1,
 }
 #: algorithms whose work is not (per-step count) × τ: the total per round
 _TOTAL: dict[str, Any] = {

@@ -17,14 +17,14 @@ aggregation, 5 users held out as new clients, 1000 rounds, seeds 0, 1, 2):
   ``benchmarks/accuracy.py`` :func:`grad_evals_per_round` gives 16 (e.g. FedAvg 16 SGD steps,
   Ditto 8 global + 8 personal, FedRep 8 head + 8 body, pFedMe 4 local rounds × 4 inner steps,
   FedMAML 8 first-order meta-gradients; the issue-27 rows: APFL and FedRoD 8 steps of 2 gradients, FedEM 2
-  components × 8 steps, FedALA 4 weight-learning + 12 SGD steps, FedBN, LG-FedAvg, FedBABU, FedAMP and pFedHN
-  16 SGD steps; FedBN on a SmallCNN with BatchNorm, as the MLP has no normalisation layer). MOCHA has no gradients and needs a linear model: it runs
-  a 784→10 linear model with 640 SDCA coordinate steps per round (16 × batch 40 per-sample
-  updates); its row is not work-matched in the same unit and says so. Each algorithm is evaluated
-  as its authors evaluate it (the algorithm's own ``personalize``: the global model for FedProx
-  and SCAFFOLD, one fine-tune step for FedAvg + FT, Per-FedAvg, Reptile and the MAMLs, the
-  personal model for Ditto, the MTL models, pFedMe and MOCHA, the personal head for FedRep and
-  FedPer, the cluster model for IFCA and CFL).
+  components × 8 steps, FedALA 4 weight-learning + 12 SGD steps, FedBN, LG-FedAvg, FedBABU, FedAMP, pFedHN,
+  FedProto, FedDBE and FedFomo 16 SGD steps; FedBN on a SmallCNN with BatchNorm, as the MLP has no
+  normalisation layer). MOCHA has no gradients and needs a linear model: it runs a 784→10 linear model
+  with 640 SDCA coordinate steps per round (16 × batch 40 per-sample updates); its row is not
+  work-matched in the same unit and says so. Each algorithm is evaluated as its authors evaluate it
+  (the algorithm's own ``personalize``: the global model for FedProx and SCAFFOLD, one fine-tune step
+  for FedAvg + FT, Per-FedAvg, Reptile and the MAMLs, the personal model for Ditto, the MTL models,
+  pFedMe and MOCHA, the personal head for FedRep and FedPer, the cluster model for IFCA and CFL).
 
 **Tuning never sees test data.** Each entry lists a small sweep (:data:`ENTRIES`: 3 or 4 values of
 its main rate or strength). Every candidate runs ``SWEEP_ROUNDS`` = 300 rounds on seed 0 with
@@ -232,6 +232,14 @@ def _pfl_entries() -> list[Entry]:
               {"name": "pfedhn", "hidden_dim": 100, "mlp_layers": 4, "server_lr": 0.1, "momentum": 0.9,
                "weight_decay": 0.001, "clip_norm": 50.0, "local_steps": 16, **b}, lr,
               evaluation="generated model h(v_i; φ)"),
+        Entry("fedproto_w16", "FedProto (λ = 1)", {"name": "fedproto", "lam": 1.0, "local_steps": 16, **b}, lr,
+              evaluation="the client's own model (local head)"),
+        Entry("feddbe_w16", "FedDBE (κ = 1, ρ = 1)",
+              {"name": "feddbe", "kappa": 1.0, "momentum": 1.0, "local_steps": 16, **b}, lr,
+              evaluation="global model with the client's representation bias μ_i"),
+        Entry("fedfomo_w16", "FedFomo (M = 5 models)",
+              {"name": "fedfomo", "models_per_client": 5, "local_steps": 16, **b}, lr,
+              evaluation="the client's own model"),
     ]
 
 

@@ -25,7 +25,7 @@ def test_every_work_matched_entry_spends_16_gradient_evaluations_per_client_per_
 #: each algorithm's client_update (APFL, FedRoD: 2 per step; FedEM: one per component; FedALA: 4 W + 12 SGD steps)
 PFL_WORK = {"fedbn_w16": (1, 16), "lg_fedavg_w16": (1, 16), "fedbabu_w16": (1, 16), "fedamp_w16": (1, 16),
             "pfedhn_w16": (1, 16), "apfl_w16": (2, 8), "fedrod_w16": (2, 8), "fedem_w16": (2, 8),
-            "fedala_w16": (1, 4 + 12)}
+            "fedala_w16": (1, 4 + 12), "fedproto_w16": (1, 16), "feddbe_w16": (1, 16), "fedfomo_w16": (1, 16)}
 
 
 def test_every_issue_27_entry_spends_16_gradient_evaluations_counted_from_its_config(tmp_path) -> None:
@@ -55,7 +55,7 @@ def test_the_issue_27_counting_rules_follow_the_steps_each_client_computes() -> 
     # FedALA computes max(ala_steps, ala_start_steps) W-gradients every round (the extra ones at rate 0 after the first)
     assert g("fedala", {"ala_steps": 4, "ala_start_steps": 20, "local_steps": 12}) == 32
     assert g("fedala", {"ala_steps": 6, "ala_start_steps": 2, "local_steps": 10}) == 16
-    for name in ("fedbn", "lg_fedavg", "fedbabu", "fedamp", "pfedhn"):
+    for name in ("fedbn", "lg_fedavg", "fedbabu", "fedamp", "pfedhn", "fedproto", "feddbe", "fedfomo"):
         assert g(name, {"local_steps": 7}) == 7, name
 
 
