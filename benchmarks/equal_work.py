@@ -93,6 +93,7 @@ __all__ = [
 
 SWEEP_ROUNDS = 300
 SWEEP_SEED = 0
+SMOKE_ROUNDS = 3  # ``--smoke``: rounds of each entry's first candidate
 VALIDATION_FRACTION = 0.2
 WORK = 16  # gradient evaluations per client per round: Per-FedAvg HF / exact at τ = 4
 WINNER_DIR = Path("configs/paper/equal_work")
@@ -300,6 +301,16 @@ def candidate_config(entry: Entry, candidate: dict[str, Any], dataset: str = DAT
             f"# Scored on data.validation_fraction = {VALIDATION_FRACTION:g} of each client's training data "
             "(the test set is not read).\n")
     return head + yaml.safe_dump(_config(entry, candidate, SWEEP_ROUNDS, True, 50, dataset), sort_keys=False)
+
+
+def smoke_config(entry: Entry, candidate: dict[str, Any], dataset: str = DATASET) -> str:
+    """The sweep candidate's YAML cut to ``SMOKE_ROUNDS`` rounds, evaluated at the last (``--smoke``: before, the
+    smoke ran the candidate's full ``SWEEP_ROUNDS``, as nothing overrode its ``trainer.max_steps``)."""
+    doc = yaml.safe_load(candidate_config(entry, candidate, dataset))
+    doc["trainer"]["max_steps"] = SMOKE_ROUNDS
+    doc["data"]["eval_every"] = SMOKE_ROUNDS
+    return (f"# Smoke of {entry.key} ({entry.label}): {candidate}, {SMOKE_ROUNDS} rounds; benchmarks/equal_work.py\n"
+            + yaml.safe_dump(doc, sort_keys=False))
 
 
 def final_config(entry: Entry, winner: dict[str, Any], scores: list[tuple[dict[str, Any], float | None]],
@@ -527,8 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         with cf.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futs = {}
             for e in entries:
-                text, p = cand_file(e, e.sweep[0])
-                futs[pool.submit(_run, text, p, 0, 3, runs_dir / "smoke" / e.key, args.threads,
+                text = smoke_config(e, e.sweep[0], dataset)
+                p = runs_dir / "configs" / f"{e.key}__smoke.yaml"
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(text)
+                futs[pool.submit(_run, text, p, 0, SMOKE_ROUNDS, runs_dir / "smoke" / e.key, args.threads,
                                  {"entry": e.key}, root)] = e
             for fut in cf.as_completed(futs):
                 rec = fut.result()

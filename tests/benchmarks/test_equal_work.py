@@ -290,3 +290,15 @@ def test_mnist_runs_the_same_comparison_on_its_own_validation_data_and_files(tmp
     md = (tmp_path / "report" / "equal_work_mnist.md").read_text()
     assert md.startswith("# Every algorithm at equal work, tuned on validation data (MNIST")
     assert (results / "equal_work_mnist_curves.png").exists()
+
+
+def test_the_smoke_runs_each_first_candidate_for_a_few_rounds_only() -> None:
+    """``--smoke`` checks configs in minutes: its config is the candidate's with trainer.max_steps cut to
+    SMOKE_ROUNDS (it used to run the whole 300-round candidate) and evaluated at the end."""
+    for e in ew.ENTRIES.values():
+        cand = yaml.safe_load(ew.candidate_config(e, e.sweep[0]))
+        smoke = yaml.safe_load(ew.smoke_config(e, e.sweep[0]))
+        assert smoke["trainer"]["max_steps"] == ew.SMOKE_ROUNDS == smoke["data"]["eval_every"] < ew.SWEEP_ROUNDS
+        assert smoke["model"] == cand["model"]
+        assert {k: v for k, v in smoke["data"].items() if k != "eval_every"} == {
+            k: v for k, v in cand["data"].items() if k != "eval_every"}
