@@ -72,6 +72,22 @@ RESULTS_FILE = "results.jsonl"
 #                      cluster are forward passes only, not counted)
 #   pfedme:            R·K          (R = ``local_steps`` local rounds of K = ``inner_steps`` prox steps)
 #   mocha:             n/a          (no gradients: ``local_iters`` SDCA coordinate steps per round)
+#   fedbn, lg_fedavg, fedbabu:  τ   (SGD on the whole model / the body; FedBABU's head gradient is computed with
+#                      the body's and dropped, one pass)
+#   fedamp:            τ            (the proximal term λ/α (w − u_k) is closed form; the server's message passing
+#                      is server work)
+#   pfedhn:            τ            (local SGD from the generated model; generating θ_i = h(v_i; φ) is a forward
+#                      pass of the hypernetwork, not a data gradient, and its VJP is server work)
+#   apfl:              2τ           (per step ∇f(w_k; D) and ∇f(v̄_k; D) at the mixed model; the v and α steps
+#                      both read the second)
+#   fedrod:            2τ           (per step the balanced-softmax gradient of body and generic head, and the
+#                      personal head's gradient through its own forward/backward pass)
+#   fedem:             M·τ          (M = ``num_components``: τ steps for each component; the E-step's M loss
+#                      evaluations are forward passes only, not counted)
+#   fedproto, feddbe:  τ            (the prototype / running-mean regularisers are in the same forward/backward)
+#   fedfomo:           τ            (+ one forward pass on the validation batch per received model, not counted)
+#   fedala:            A + τ        (A = max(``ala_steps``, ``ala_start_steps``) W-gradient steps ∇_θ̂ f(θ̂_k; D):
+#                      the client computes A every round, the steps beyond ``ala_steps`` at rate 0 after the first)
 _PER_STEP: dict[str, Any] = {
     "fedavg": 1,
     "reptile": 1,
@@ -87,11 +103,23 @@ _PER_STEP: dict[str, Any] = {
     "ifca": 1,
     "cfl": 1,
     "pfedme": lambda hp: hp.get("inner_steps"),
+    "fedbn": 1,
+    "lg_fedavg": 1,
+    "fedbabu": 1,
+    "fedamp": 1,
+    "pfedhn": 1,
+    "apfl": 2,
+    "fedrod": 2,
+    "fedem": lambda hp: hp.get("num_components"),
+    "fedproto": 1,
+    "feddbe": 1,
+    "fedfomo": 1,
 }
 #: algorithms whose work is not (per-step count) × τ: the total per round
 _TOTAL: dict[str, Any] = {
     "ditto": lambda hp: hp["local_steps"] + (hp.get("personal_steps") or hp["local_steps"]),
     "fedrep": lambda hp: hp["local_steps"] + hp.get("head_steps", 0),
+    "fedala": lambda hp: hp["local_steps"] + max(hp["ala_steps"], hp["ala_start_steps"]),
 }
 
 

@@ -16,13 +16,15 @@ aggregation, 5 users held out as new clients, 1000 rounds, seeds 0, 1, 2):
   Hessian-vector product counted as 2). Each algorithm's steps are set so that
   ``benchmarks/accuracy.py`` :func:`grad_evals_per_round` gives 16 (e.g. FedAvg 16 SGD steps,
   Ditto 8 global + 8 personal, FedRep 8 head + 8 body, pFedMe 4 local rounds × 4 inner steps,
-  FedMAML 8 first-order meta-gradients). MOCHA has no gradients and needs a linear model: it runs
-  a 784→10 linear model with 640 SDCA coordinate steps per round (16 × batch 40 per-sample
-  updates); its row is not work-matched in the same unit and says so. Each algorithm is evaluated
-  as its authors evaluate it (the algorithm's own ``personalize``: the global model for FedProx
-  and SCAFFOLD, one fine-tune step for FedAvg + FT, Per-FedAvg, Reptile and the MAMLs, the
-  personal model for Ditto, the MTL models, pFedMe and MOCHA, the personal head for FedRep and
-  FedPer, the cluster model for IFCA and CFL).
+  FedMAML 8 first-order meta-gradients; the issue-27 rows: APFL and FedRoD 8 steps of 2 gradients, FedEM 2
+  components × 8 steps, FedALA 4 weight-learning + 12 SGD steps, FedBN, LG-FedAvg, FedBABU, FedAMP, pFedHN,
+  FedProto, FedDBE and FedFomo 16 SGD steps; FedBN on a SmallCNN with BatchNorm, as the MLP has no
+  normalisation layer). MOCHA has no gradients and needs a linear model: it runs a 784→10 linear model
+  with 640 SDCA coordinate steps per round (16 × batch 40 per-sample updates); its row is not
+  work-matched in the same unit and says so. Each algorithm is evaluated as its authors evaluate it
+  (the algorithm's own ``personalize``: the global model for FedProx and SCAFFOLD, one fine-tune step
+  for FedAvg + FT, Per-FedAvg, Reptile and the MAMLs, the personal model for Ditto, the MTL models,
+  pFedMe and MOCHA, the personal head for FedRep and FedPer, the cluster model for IFCA and CFL).
 
 **Tuning never sees test data.** Each entry lists a small sweep (:data:`ENTRIES`: 3 or 4 values of
 its main rate or strength). Every candidate runs ``SWEEP_ROUNDS`` = 300 rounds on seed 0 with
@@ -77,6 +79,7 @@ from benchmarks.paper import BATCH, CLIENTS_PER_ROUND, HOLDOUT, NUM_CLIENTS, ROU
 __all__ = [
     "ENTRIES",
     "Entry",
+    "PFL_ENTRIES",
     "SWEEP_ROUNDS",
     "WORK",
     "candidate_config",
@@ -90,6 +93,7 @@ __all__ = [
 
 SWEEP_ROUNDS = 300
 SWEEP_SEED = 0
+SMOKE_ROUNDS = 3  # ``--smoke``: rounds of each entry's first candidate
 VALIDATION_FRACTION = 0.2
 WORK = 16  # gradient evaluations per client per round: Per-FedAvg HF / exact at τ = 4
 WINNER_DIR = Path("configs/paper/equal_work")
@@ -104,6 +108,13 @@ MLP = {"class_path": "lightning_fedmeta.models.MLP",
 LINEAR = {"class_path": "lightning_fedmeta.models.LogisticRegression",
           "init_args": {"in_features": 784, "num_classes": 10}}
 LR_SWEEP = [0.01, 0.03, 0.1]
+#: the issue-27 rows' local-rate sweep: one step up from LR_SWEEP, whose winner was 0.1 (or its extension) for most
+#: of the earlier rows, so that the usual winner sits inside the sweep rather than at its edge
+PFL_LR_SWEEP = [0.03, 0.1, 0.3]
+#: FedBN's network: the MLP has no normalisation layer (FedBN on it is FedAvg), so FedBN runs on configs/fedbn.yaml's
+#: SmallCNN with BatchNorm, and its row is not on the same model as the others
+SMALL_CNN_BN = {"class_path": "lightning_fedmeta.models.SmallCNN",
+                "init_args": {"in_channels": 1, "num_classes": 10, "width": 16, "image_size": 28, "norm": "batch"}}
 
 
 @dataclass(frozen=True)
@@ -186,9 +197,55 @@ def _entries() -> list[Entry]:
               _lr("algorithm.lambda1", [0.1, 1.0, 10.0]),
               network=LINEAR, evaluation="personal linear model"),
     ]
-    return out
+    return out + _pfl_entries()
 
 
+def _pfl_entries() -> list[Entry]:
+    """The issue-27 algorithms at W = 16 (how each reaches 16: ``benchmarks/accuracy.py`` and docs/reproduction.md),
+    each swept over its local rate (:data:`PFL_LR_SWEEP`) with its strength fixed at its config's value."""
+    b, lr = {"batch_size": BATCH}, _lr(values=PFL_LR_SWEEP)
+    return [
+        Entry("fedbn_w16", "FedBN (SmallCNN + BatchNorm, not the MLP)", {"name": "fedbn", "local_steps": 16, **b}, lr,
+              network=SMALL_CNN_BN, evaluation="shared weights + the client's own BatchNorm γ, β and statistics"),
+        Entry("lg_fedavg_w16", "LG-FedAvg (global top 2 layers)",
+              {"name": "lg_fedavg", "global_prefix": ["net.3", "net.5"], "local_steps": 16, **b}, lr,
+              evaluation="the client's local first layer + global top layers"),
+        Entry("fedbabu_w16", "FedBABU (+ 10 FT steps)",
+              {"name": "fedbabu", "local_steps": 16, **b, "finetune_steps": 10, "finetune_batch_size": BATCH},
+              _lr(values=PFL_LR_SWEEP, also=("algorithm.finetune_lr",)),
+              evaluation="10 SGD steps on the whole model at the local rate"),
+        Entry("fedrod_w16", "FedRoD (balanced softmax, linear personal head)",
+              {"name": "fedrod", "balanced": True, "local_steps": 8, **b}, lr,
+              evaluation="global body, generic + personal head"),
+        Entry("apfl_w16", "APFL (adaptive α from 0.5)",
+              {"name": "apfl", "alpha": 0.5, "adaptive": True, "local_steps": 8, **b}, lr,
+              evaluation="mixed model α_k v_k + (1 − α_k) w"),
+        Entry("fedala_w16", "FedALA (4 ALA + 12 SGD steps, η_W = 1)",
+              {"name": "fedala", "eta": 1.0, "ala_layers": 2, "ala_steps": 4, "ala_start_steps": 4,
+               "local_steps": 12, **b}, lr, evaluation="the ALA start θ̂_k (W_k learned again, 4 steps)"),
+        Entry("fedamp_w16", "FedAMP (λ = 0.02, α = 0.2, σ = 10)",
+              {"name": "fedamp", "lam": 0.02, "alpha_k": 0.2, "sigma": 10.0, "local_steps": 16, **b}, lr,
+              evaluation="personal model"),
+        Entry("fedem_w16", "FedEM (M = 2 components × 8 steps)",
+              {"name": "fedem", "num_components": 2, "local_steps": 8, **b}, lr,
+              evaluation="the client's most likely component"),
+        Entry("pfedhn_w16", "pFedHN (hypernetwork rate 0.1)",
+              {"name": "pfedhn", "hidden_dim": 100, "mlp_layers": 4, "server_lr": 0.1, "momentum": 0.9,
+               "weight_decay": 0.001, "clip_norm": 50.0, "local_steps": 16, **b}, lr,
+              evaluation="generated model h(v_i; φ)"),
+        Entry("fedproto_w16", "FedProto (λ = 1)", {"name": "fedproto", "lam": 1.0, "local_steps": 16, **b}, lr,
+              evaluation="the client's own model (local head)"),
+        Entry("feddbe_w16", "FedDBE (κ = 1, ρ = 1)",
+              {"name": "feddbe", "kappa": 1.0, "momentum": 1.0, "local_steps": 16, **b}, lr,
+              evaluation="global model with the client's representation bias μ_i"),
+        Entry("fedfomo_w16", "FedFomo (M = 5 models)",
+              {"name": "fedfomo", "models_per_client": 5, "local_steps": 16, **b}, lr,
+              evaluation="the client's own model"),
+    ]
+
+
+#: the entries added by issue 27 (the pFL methods other toolkits ship)
+PFL_ENTRIES: tuple[str, ...] = tuple(e.key for e in _pfl_entries())
 ENTRIES: dict[str, Entry] = {e.key: e for e in _entries()}
 
 
@@ -244,6 +301,16 @@ def candidate_config(entry: Entry, candidate: dict[str, Any], dataset: str = DAT
             f"# Scored on data.validation_fraction = {VALIDATION_FRACTION:g} of each client's training data "
             "(the test set is not read).\n")
     return head + yaml.safe_dump(_config(entry, candidate, SWEEP_ROUNDS, True, 50, dataset), sort_keys=False)
+
+
+def smoke_config(entry: Entry, candidate: dict[str, Any], dataset: str = DATASET) -> str:
+    """The sweep candidate's YAML cut to ``SMOKE_ROUNDS`` rounds, evaluated at the last (``--smoke``: before, the
+    smoke ran the candidate's full ``SWEEP_ROUNDS``, as nothing overrode its ``trainer.max_steps``)."""
+    doc = yaml.safe_load(candidate_config(entry, candidate, dataset))
+    doc["trainer"]["max_steps"] = SMOKE_ROUNDS
+    doc["data"]["eval_every"] = SMOKE_ROUNDS
+    return (f"# Smoke of {entry.key} ({entry.label}): {candidate}, {SMOKE_ROUNDS} rounds; benchmarks/equal_work.py\n"
+            + yaml.safe_dump(doc, sort_keys=False))
 
 
 def final_config(entry: Entry, winner: dict[str, Any], scores: list[tuple[dict[str, Any], float | None]],
@@ -471,8 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         with cf.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futs = {}
             for e in entries:
-                text, p = cand_file(e, e.sweep[0])
-                futs[pool.submit(_run, text, p, 0, 3, runs_dir / "smoke" / e.key, args.threads,
+                text = smoke_config(e, e.sweep[0], dataset)
+                p = runs_dir / "configs" / f"{e.key}__smoke.yaml"
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(text)
+                futs[pool.submit(_run, text, p, 0, SMOKE_ROUNDS, runs_dir / "smoke" / e.key, args.threads,
                                  {"entry": e.key}, root)] = e
             for fut in cf.as_completed(futs):
                 rec = fut.result()
@@ -493,8 +563,11 @@ def main(argv: list[str] | None = None) -> int:
                 p.write_text(text)
 
     def report() -> None:
+        """The winners of the entries run, and the report of every entry (a run of some entries, ``--entries``,
+        must not drop the others' rows from the shared report)."""
         write_winners()
-        rows = summarise(entries, read_records(sweep_path), read_records(final_path), args.seeds, dataset)
+        every = [e for e in ENTRIES.values() if _available(e)]
+        rows = summarise(every, read_records(sweep_path), read_records(final_path), args.seeds, dataset)
         md, csv_path = write_report(rows, args.report_dir, args.results, dataset)
         print(f"[equal_work] report: {md}, {csv_path}", flush=True)
 

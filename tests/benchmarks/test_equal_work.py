@@ -21,6 +21,44 @@ def test_every_work_matched_entry_spends_16_gradient_evaluations_per_client_per_
     assert ew.ENTRIES["mocha_linear"].algorithm["local_iters"] == 16 * 40
 
 
+#: how each issue-27 entry reaches 16: (gradient evaluations per step or per component-step, steps) by hand from
+#: each algorithm's client_update (APFL, FedRoD: 2 per step; FedEM: one per component; FedALA: 4 W + 12 SGD steps)
+PFL_WORK = {"fedbn_w16": (1, 16), "lg_fedavg_w16": (1, 16), "fedbabu_w16": (1, 16), "fedamp_w16": (1, 16),
+            "pfedhn_w16": (1, 16), "apfl_w16": (2, 8), "fedrod_w16": (2, 8), "fedem_w16": (2, 8),
+            "fedala_w16": (1, 4 + 12), "fedproto_w16": (1, 16), "feddbe_w16": (1, 16), "fedfomo_w16": (1, 16)}
+
+
+def test_every_issue_27_entry_spends_16_gradient_evaluations_counted_from_its_config(tmp_path) -> None:
+    """The committed-config route (``config_grad_evals`` reads the YAML the final runs train) gives 16 for every new
+    entry and every sweep candidate, as the hand count does, and the algorithm accepts the config's arguments."""
+    from benchmarks.accuracy import config_grad_evals
+    from lightning_fedmeta.registry import load_algorithm
+
+    assert set(ew.PFL_ENTRIES) == set(PFL_WORK)
+    for key in ew.PFL_ENTRIES:
+        e = ew.ENTRIES[key]
+        per, steps = PFL_WORK[key]
+        assert per * steps == 16, key
+        for c in e.sweep:
+            p = tmp_path / f"{key}.yaml"
+            p.write_text(ew.final_config(e, c, [(c, 0.5)]))
+            algo = yaml.safe_load(p.read_text())["model"]["algorithm"]
+            assert config_grad_evals(p) == (algo["name"], 16), (key, c)
+            load_algorithm(algo["name"])(**{k: v for k, v in algo.items() if k != "name"})
+
+
+def test_the_issue_27_counting_rules_follow_the_steps_each_client_computes() -> None:
+    from benchmarks.accuracy import grad_evals_per_round as g
+
+    assert g("apfl", {"local_steps": 5}) == g("fedrod", {"local_steps": 5}) == 10  # two gradients per step
+    assert g("fedem", {"num_components": 3, "local_steps": 5}) == 15  # τ steps per component
+    # FedALA computes max(ala_steps, ala_start_steps) W-gradients every round (the extra ones at rate 0 after the first)
+    assert g("fedala", {"ala_steps": 4, "ala_start_steps": 20, "local_steps": 12}) == 32
+    assert g("fedala", {"ala_steps": 6, "ala_start_steps": 2, "local_steps": 10}) == 16
+    for name in ("fedbn", "lg_fedavg", "fedbabu", "fedamp", "pfedhn", "fedproto", "feddbe", "fedfomo"):
+        assert g(name, {"local_steps": 7}) == 7, name
+
+
 def test_sweep_candidates_are_scored_on_the_validation_split_and_finals_on_the_test_set() -> None:
     for e in ew.ENTRIES.values():
         assert len(e.sweep) >= 3, e.key
@@ -214,6 +252,8 @@ def test_the_driver_runs_the_successors_finals_when_a_winner_is_withdrawn_mid_ru
                        ew.read_records(results / "final_fashion_mnist.jsonl"), [0, 1, 2])[0]
     assert row["winner"][key] == successor and row["seeds_done"] == 3
     assert row["withdrawn"] and row["withdrawn"][0][0][key] == best
+    md = (tmp_path / "report" / "equal_work.md").read_text()  # a run of one entry keeps every entry's row
+    assert all(f"| {x.label} |" in md for x in ew.ENTRIES.values() if x.plugin is None)
 
 
 def test_mnist_runs_the_same_comparison_on_its_own_validation_data_and_files(tmp_path, monkeypatch, capsys) -> None:
@@ -250,3 +290,15 @@ def test_mnist_runs_the_same_comparison_on_its_own_validation_data_and_files(tmp
     md = (tmp_path / "report" / "equal_work_mnist.md").read_text()
     assert md.startswith("# Every algorithm at equal work, tuned on validation data (MNIST")
     assert (results / "equal_work_mnist_curves.png").exists()
+
+
+def test_the_smoke_runs_each_first_candidate_for_a_few_rounds_only() -> None:
+    """``--smoke`` checks configs in minutes: its config is the candidate's with trainer.max_steps cut to
+    SMOKE_ROUNDS (it used to run the whole 300-round candidate) and evaluated at the end."""
+    for e in ew.ENTRIES.values():
+        cand = yaml.safe_load(ew.candidate_config(e, e.sweep[0]))
+        smoke = yaml.safe_load(ew.smoke_config(e, e.sweep[0]))
+        assert smoke["trainer"]["max_steps"] == ew.SMOKE_ROUNDS == smoke["data"]["eval_every"] < ew.SWEEP_ROUNDS
+        assert smoke["model"] == cand["model"]
+        assert {k: v for k, v in smoke["data"].items() if k != "eval_every"} == {
+            k: v for k, v in cand["data"].items() if k != "eval_every"}
