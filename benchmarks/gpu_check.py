@@ -53,6 +53,9 @@ EQUIVALENCE = [
     ("FedAvg", {"name": "fedavg"}),
     ("Per-FedAvg HF", {"name": "perfedavg", "variant": "hf", "alpha": 0.01, "beta": 0.01}),
     ("Ditto", {"name": "ditto", "lam": 0.1}),
+    # local epochs: unequal clients take different step counts, run in groups (lightning_fedmeta/loop/grouping.py)
+    ("FedAvg, 1 local epoch", {"name": "fedavg", "local_epochs": 1, "batch_size": 20}),
+    ("Ditto, 1 + 1 epochs", {"name": "ditto", "lam": 0.1, "local_epochs": 1, "personal_epochs": 1, "batch_size": 20}),
 ]
 
 
