@@ -1046,9 +1046,16 @@ CNN_HEADING = "# Convolutional workloads (issue 29)"
 
 
 def merge_section(md: Path, heading: str, lines: list[str]) -> None:
-    """Write ``heading`` + ``lines`` into ``md``, replacing that section if present and keeping what precedes it."""
-    kept = md.read_text().split(heading)[0].rstrip() + "\n\n" if md.exists() else ""
-    md.write_text(kept + "\n".join([heading, "", *lines]) + "\n")
+    """Write ``heading`` + ``lines`` into ``md``: in place of the section under that heading line (up to the next
+    top-level heading) if there is one, else at the end; the rest of the file is kept."""
+    text = md.read_text() if md.exists() else ""
+    section = "\n".join([heading, "", *lines]).rstrip() + "\n"
+    match = re.search(rf"^{re.escape(heading)}\n.*?(?=^# |\Z)", text, flags=re.S | re.M)
+    if match:
+        text = text[:match.start()] + section + ("\n" if match.end() < len(text) else "") + text[match.end():]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + section
+    md.write_text(text)
 
 
 def cnn_main(args: argparse.Namespace, argv: list[str] | None) -> int:
@@ -1087,7 +1094,8 @@ def cnn_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / f"speed{'_quick' if args.quick else ''}.md"
-    merge_section(md, CNN_HEADING, [*intro, *lines, "", f"Section time: {time.perf_counter() - started:.0f} s."])
+    heading = f"{CNN_HEADING}: {', '.join(args.cnn_workloads or CNN_WORKLOADS)}"
+    merge_section(md, heading, [*intro, *lines, "", f"Section time: {time.perf_counter() - started:.0f} s."])
     print(f"wrote {md}")
     return 0
 

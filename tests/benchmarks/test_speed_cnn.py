@@ -74,6 +74,8 @@ def test_quick_cnn_rows_run_and_merge_into_the_report(tmp_path) -> None:
         ratios = [float(cell.strip("*× ")) for cell in line.strip("| ").split(" | ")[-2:]]
         assert all(math.isfinite(r) and r > 0 for r in ratios)
     assert "Load average" in text and "| **one client step** |" in text
-    speed.merge_section(report, speed.CNN_HEADING, ["| CNN | rerun |"])
-    text = report.read_text()  # a rerun replaces its own section and keeps the W rows
-    assert text.count(speed.CNN_HEADING) == 1 and "| CNN | rerun |" in text and "| FedAvg | W row |" in text
+    speed.merge_section(report, f"{speed.CNN_HEADING}: ResNet-18", ["| ResNet-18 | first |"])
+    speed.merge_section(report, f"{speed.CNN_HEADING}: CNN", ["| CNN | rerun |"])
+    text = report.read_text()  # a rerun replaces its own section and keeps the W rows and the other sections
+    assert text.count(f"{speed.CNN_HEADING}: CNN\n") == 1 and "| CNN | 2 |" not in text
+    assert "| CNN | rerun |" in text and "| FedAvg | W row |" in text and "| ResNet-18 | first |" in text
