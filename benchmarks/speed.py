@@ -831,6 +831,19 @@ def _cnn_plan(quick: bool, steps: list[int] | None = None,
             for name in CNN_WORKLOADS if names is None or name in names]
 
 
+def _too_slow(rows: list[CnnRow], workload: str, label: str, clients: int) -> str | None:
+    """Why a ResNet-18 row beyond its first clients-per-round is not run: that algorithm's round, predicted linearly
+    from its measured row at fewer clients, would take ≥ :data:`RESNET_100_LIMIT_S`; ``None`` when it runs."""
+    done = [r for r in rows if r.workload == workload == "ResNet-18" and r.label == label and r.clients < clients]
+    if not done:
+        return None
+    predicted = done[0].project_s * clients / done[0].clients
+    if predicted < RESNET_100_LIMIT_S:
+        return None
+    return (f"ResNet-18 {label} at {clients} clients per round not run: its round would take about {predicted:.0f} s "
+            f"here (≥ {RESNET_100_LIMIT_S:.0f} s; {done[0].project_s:.1f} s at {done[0].clients} clients).")
+
+
 def cnn_section(quick: bool, repeats: int, loop_clients: int, steps: list[int] | None = None,
                 names: list[str] | None = None) -> list[str]:
     """The CNN rows (see the module docstring) and the floor kernels behind them, as markdown lines."""
@@ -840,16 +853,13 @@ def cnn_section(quick: bool, repeats: int, loop_clients: int, steps: list[int] |
     for name, work, sizes in _cnn_plan(quick, steps, names):
         floor = ConvFloor.of(work.build(), work.shape, work.batch)
         for clients in sizes:
-            if name == "ResNet-18" and clients > sizes[0]:
-                first = next(r for r in rows if r.workload == name and r.label == "FedAvg")
-                predicted = first.project_s * clients / first.clients
-                if predicted >= RESNET_100_LIMIT_S and not quick:
-                    notes.append(f"ResNet-18 at {clients} clients per round not run: its FedAvg round would take "
-                                 f"about {predicted:.0f} s here (≥ {RESNET_100_LIMIT_S:.0f} s).")
-                    print(f"   {notes[-1]}", flush=True)
-                    continue
             data = image_data(clients, work.shape, work.classes, train=work.steps * work.batch)
             for label, spec in CNN_ALGORITHMS:
+                skip = _too_slow(rows, name, label, clients) if not quick else None
+                if skip:
+                    notes.append(skip)
+                    print(f"   {skip}", flush=True)
+                    continue
                 row = measure_cnn_row(name, work, data, clients, label, spec, repeats, loop_clients, floor)
                 rows.append(row)
                 print(f"   {name:<9} {clients:>3} clients {label:<14} project {row.project_s:7.3f} s  "

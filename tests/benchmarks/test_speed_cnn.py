@@ -79,3 +79,12 @@ def test_quick_cnn_rows_run_and_merge_into_the_report(tmp_path) -> None:
     text = report.read_text()  # a rerun replaces its own section and keeps the W rows and the other sections
     assert text.count(f"{speed.CNN_HEADING}: CNN\n") == 1 and "| CNN | 2 |" not in text
     assert "| CNN | rerun |" in text and "| FedAvg | W row |" in text and "| ResNet-18 | first |" in text
+
+
+def test_resnet_rows_beyond_the_first_size_run_only_when_their_round_is_predicted_under_a_minute() -> None:
+    rows = [speed.CnnRow("ResNet-18", 10, "FedAvg", project_s=5.0), speed.CnnRow("ResNet-18", 10, "Ditto", project_s=6.5),
+            speed.CnnRow("CNN", 10, "Ditto", project_s=60.0)]
+    assert speed._too_slow(rows, "ResNet-18", "FedAvg", 100) is None  # 50 s predicted
+    assert "about 65 s" in speed._too_slow(rows, "ResNet-18", "Ditto", 100)
+    assert speed._too_slow(rows, "ResNet-18", "FedAvg", 10) is None  # the first size always runs
+    assert speed._too_slow(rows, "CNN", "Ditto", 100) is None  # the CNN rows always run
