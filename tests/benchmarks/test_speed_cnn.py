@@ -82,7 +82,8 @@ def test_quick_cnn_rows_run_and_merge_into_the_report(tmp_path) -> None:
 
 
 def test_resnet_rows_beyond_the_first_size_run_only_when_their_round_is_predicted_under_a_minute() -> None:
-    rows = [speed.CnnRow("ResNet-18", 10, "FedAvg", project_s=5.0), speed.CnnRow("ResNet-18", 10, "Ditto", project_s=6.5),
+    rows = [speed.CnnRow("ResNet-18", 10, "FedAvg", project_s=5.0),
+            speed.CnnRow("ResNet-18", 10, "Ditto", project_s=6.5),
             speed.CnnRow("CNN", 10, "Ditto", project_s=60.0)]
     assert speed._too_slow(rows, "ResNet-18", "FedAvg", 100) is None  # 50 s predicted
     assert "about 65 s" in speed._too_slow(rows, "ResNet-18", "Ditto", 100)
