@@ -1088,7 +1088,8 @@ def cnn_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         "shapes.",
         "",
         "- **project**: `run_round` of a FederatedModule, `client_batching=\"vmap\"`, eager, default "
-        "`client_chunk_size` (100).",
+        "`client_chunk_size` (100; on the CPU a convolutional model trains 10 clients per vmap call, "
+        "`execution.CPU_CONV_CHUNK`).",
         "- **plain loop**: the same work written by hand (a fresh `nn.Module` copy and `torch.optim.SGD` per client, "
         "data in memory; FedAvg is benchmarks/gpu.py's `plain_loop_round`, Per-FedAvg HF and Ditto their hand-written "
         f"counterparts here), timed on {args.loop_clients} clients and scaled linearly to the row's clients.",
