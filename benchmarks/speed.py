@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import inspect
 import logging
 import math
@@ -54,18 +55,22 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.algorithms.base import Algorithm
-from lightning_fedmeta.data.federated import FederatedData
-from lightning_fedmeta.models import MLP
-from lightning_fedmeta.registry import load_algorithm
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu import WORKLOADS, Workload, plain_loop_round, quick_workloads  # noqa: E402
+from lightning_fedmeta import FederatedModule  # noqa: E402
+from lightning_fedmeta.algorithms.base import Algorithm  # noqa: E402
+from lightning_fedmeta.data.federated import FederatedData  # noqa: E402
+from lightning_fedmeta.models import MLP  # noqa: E402
+from lightning_fedmeta.registry import load_algorithm  # noqa: E402
 
 __all__ = [
     "ALGORITHMS",
@@ -190,9 +195,9 @@ def build_algorithm(spec: dict[str, Any], tau: int = TAU, batch_size: int = BATC
 
 def make_module(
     algorithm: Algorithm, data: FederatedData, clients_per_round: int, batching: str = "vmap",
-    chunk_size: int | None = 100, compile_clients: bool = False,
+    chunk_size: int | None = 100, compile_clients: bool = False, model: torch.nn.Module | None = None,
 ) -> tuple[FederatedModule, torch.optim.Optimizer]:
-    """A FederatedModule on ``data`` with W's MLP and the server optimizer ``SGD(lr=server_lr)``.
+    """A FederatedModule on ``data`` with ``model`` (default W's MLP) and the server optimizer ``SGD(lr=server_lr)``.
 
     ``server_lr`` is 1 (model averaging) except for FedMAML, whose clients upload meta-gradients:
     its server rate is β = ``LR``.
@@ -201,7 +206,8 @@ def make_module(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module = FederatedModule(
-            model=MLP(LAYERS[0], list(LAYERS[1:-1]), LAYERS[-1], "elu"), algorithm=algorithm,
+            model=model if model is not None else MLP(LAYERS[0], list(LAYERS[1:-1]), LAYERS[-1], "elu"),
+            algorithm=algorithm,
             clients_per_round=clients_per_round, client_batching=batching,  # type: ignore[arg-type]
             client_chunk_size=chunk_size, server_lr=LR if algorithm.name == "fedmaml" else 1.0,
             compile_clients=compile_clients,
@@ -506,6 +512,369 @@ def ditto_rss(num_clients: int = 1000, per_round: int = 100, rounds: int = 3, ch
 
 
 # ------------------------------------------------------------------------------------------------
+# convolutional workloads (issue 29): the project, a plain PyTorch loop and the conv/GEMM floor, interleaved
+# ------------------------------------------------------------------------------------------------
+#: (label, algorithm spec) of the CNN rows; τ, B and the learning rate come from the workload (benchmarks/gpu.py)
+CNN_ALGORITHMS: list[tuple[str, dict[str, Any]]] = [
+    ("FedAvg", {"name": "fedavg"}),
+    ("Per-FedAvg HF", {"name": "perfedavg", "variant": "hf"}),
+    ("Ditto", {"name": "ditto", "lam": 0.1}),
+]
+#: the issue's targets on the CNN rows: project ≤ 1.5× its floor, the plain loop ≥ 2× slower than the project
+CNN_FLOOR_TARGET, CNN_LOOP_TARGET = 1.5, 2.0
+#: a ResNet-18 row at 100 clients per round runs only if its 10-client FedAvg round predicts under this (s)
+RESNET_100_LIMIT_S = 60.0
+
+
+def cnn_spec(spec: dict[str, Any], lr: float) -> dict[str, Any]:
+    """``spec`` with the workload's learning rate in the algorithm's own argument names."""
+    rates = {"perfedavg": {"alpha": lr, "beta": lr}}.get(spec["name"], {"local_lr": lr})
+    return {**spec, **rates}
+
+
+def image_data(num_clients: int, shape: tuple[int, ...], classes: int, train: int, seed: int = 0) -> FederatedData:
+    """Random images of ``shape`` (speed depends on shapes only), ``train`` samples and 4 test samples per client."""
+    g = torch.Generator().manual_seed(seed)
+    n, m = num_clients * train, num_clients * 4
+    return FederatedData(
+        torch.rand(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g),
+        torch.arange(num_clients + 1) * train, torch.rand(m, *shape, generator=g),
+        torch.randint(0, classes, (m,), generator=g), torch.arange(num_clients + 1) * 4, classes,
+    )
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One convolution or linear layer of a client step: its module and the input shape it sees."""
+
+    name: str
+    module: torch.nn.Module
+    input_shape: tuple[int, ...]
+    first: bool  # the model's input layer: no input gradient in the backward pass
+
+
+def layer_calls(model: torch.nn.Module, shape: tuple[int, ...], batch: int) -> list[LayerCall]:
+    """Every ``Conv2d``/``Linear`` call of one forward pass of ``batch`` inputs of ``shape``, in call order."""
+    calls: list[LayerCall] = []
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Conv2d | torch.nn.Linear):
+            hooks.append(mod.register_forward_hook(
+                lambda m, args, out, name=name: calls.append(LayerCall(name, m, tuple(args[0].shape), not calls))))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(batch, *shape))
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def _layer_step(call: LayerCall) -> Callable[[], None]:
+    """Forward + backward of one layer alone (weight, bias and, except the first layer, input gradients)."""
+    mod = call.module
+    x = torch.randn(call.input_shape, requires_grad=not call.first)
+    w = mod.weight.detach().clone().requires_grad_(True)
+    b = None if mod.bias is None else mod.bias.detach().clone().requires_grad_(True)
+    if isinstance(mod, torch.nn.Conv2d):
+        def fwd() -> torch.Tensor:
+            return torch.nn.functional.conv2d(x, w, b, mod.stride, mod.padding, mod.dilation, mod.groups)
+    else:
+        def fwd() -> torch.Tensor:
+            return torch.nn.functional.linear(x, w, b)
+    grad_out = torch.ones_like(fwd())
+
+    def step() -> None:
+        fwd().backward(grad_out)
+        w.grad = None
+        if b is not None:
+            b.grad = None
+        x.grad = None
+    return step
+
+
+def layer_flops(call: LayerCall) -> int:
+    """FLOPs of one layer's forward + backward, as ``torch.utils.flop_counter`` counts them."""
+    step = _layer_step(call)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+@dataclass
+class ConvFloor:
+    """The model's conv/linear forward+backward of one client step, each layer timed alone (unbatched)."""
+
+    calls: list[LayerCall]
+    flops: list[int]
+    steps: list[Callable[[], None]]
+    seconds: list[list[float]] = field(default_factory=list)  # per repeat: per layer median seconds
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, shape: tuple[int, ...], batch: int) -> ConvFloor:
+        calls = layer_calls(model, shape, batch)
+        return cls(calls, [layer_flops(c) for c in calls], [_layer_step(c) for c in calls])
+
+    def measure(self, reps: int = 5) -> float:
+        """Time every layer ``reps`` times (median each); returns this repeat's GFLOP/s = Σ FLOPs / Σ time."""
+        times = []
+        for step in self.steps:
+            step()
+            samples = []
+            for _ in range(reps):
+                t0 = CLOCK()
+                step()
+                samples.append(CLOCK() - t0)
+            times.append(statistics.median(samples))
+        self.seconds.append(times)
+        return sum(self.flops) / sum(times) / 1e9
+
+    def gflops(self) -> float:
+        """Throughput over the repeats: Σ FLOPs ÷ Σ (median over repeats of each layer's time)."""
+        per_layer = [statistics.median(col) for col in zip(*self.seconds, strict=True)]
+        return sum(self.flops) / sum(per_layer) / 1e9
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _draw(xs: torch.Tensor, ys: torch.Tensor, c: int, batch: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    idx = torch.randperm(xs.shape[1], generator=g)[:batch]
+    return xs[c % xs.shape[0], idx], ys[c % xs.shape[0], idx]
+
+
+def _grad_at(model: torch.nn.Module, params: list[torch.Tensor], point: list[torch.Tensor],
+             data: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """∇f(point; data) of ``model`` (whose ``params`` are overwritten with ``point``)."""
+    with torch.no_grad():
+        for p, q in zip(params, point, strict=True):
+            p.copy_(q)
+    return torch.autograd.grad(_loss(model, *data), params)
+
+
+def plain_perfedavg_hf_round(model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, clients: int, steps: int,
+                             batch: int, lr: float, generator: torch.Generator, delta: float = 1e-3) -> None:
+    """Per-FedAvg (HF) written by hand (Fallah et al. 2020, eq. (9)), α = β = ``lr``: per client a fresh copy;
+    each step ``w̃ = w − α∇f(w; D)``, ``v = ∇f(w̃; D′)``, ``d = [∇f(w + δv; D″) − ∇f(w − δv; D″)] / 2δ``,
+    ``w ← w − β(v − α d)``; then the mean of the models."""
+    total = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    for c in range(clients):
+        local = copy.deepcopy(model)
+        params = list(local.parameters())
+
+        def grad_at(point: list[torch.Tensor], data: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            return _grad_at(local, params, point, data)  # noqa: B023 - used within this client's iteration
+
+        for _ in range(steps):
+            d1, d2, d3 = (_draw(xs, ys, c, batch, generator) for _ in range(3))
+            w = [p.detach().clone() for p in params]
+            g = grad_at(w, d1)
+            v = grad_at([wi - lr * gi for wi, gi in zip(w, g, strict=True)], d2)
+            g_plus = grad_at([wi + delta * vi for wi, vi in zip(w, v, strict=True)], d3)
+            g_minus = grad_at([wi - delta * vi for wi, vi in zip(w, v, strict=True)], d3)
+            with torch.no_grad():
+                for p, wi, vi, gp, gm in zip(params, w, v, g_plus, g_minus, strict=True):
+                    p.copy_(wi - lr * (vi - lr * (gp - gm) / (2 * delta)))
+        for k, val in local.state_dict().items():
+            total[k] += val
+    model.load_state_dict({k: val / clients for k, val in total.items()})
+
+
+def plain_ditto_round(model: torch.nn.Module, personal: dict[int, dict[str, torch.Tensor]], xs: torch.Tensor,
+                      ys: torch.Tensor, clients: int, steps: int, batch: int, lr: float, generator: torch.Generator,
+                      lam: float = 0.1) -> None:
+    """Ditto written by hand (Li et al. 2021, Algorithm 1): per client ``steps`` SGD steps of a fresh copy of the
+    global model, then ``steps`` steps of its stored personal model ``v ← v − η(∇f(v; D) + λ(v − wᵗ))`` (kept in
+    ``personal``); the global model becomes the mean of the clients' global copies."""
+    total = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    centre = [p.detach().clone() for p in model.parameters()]
+    for c in range(clients):
+        local = copy.deepcopy(model)
+        opt = torch.optim.SGD(local.parameters(), lr=lr)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            _loss(local, *_draw(xs, ys, c, batch, generator)).backward()
+            opt.step()
+        for k, val in local.state_dict().items():
+            total[k] += val
+        mine = copy.deepcopy(model)
+        if c in personal:
+            mine.load_state_dict(personal[c])
+        opt = torch.optim.SGD(mine.parameters(), lr=lr)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            _loss(mine, *_draw(xs, ys, c, batch, generator)).backward()
+            with torch.no_grad():
+                for p, w in zip(mine.parameters(), centre, strict=True):
+                    p.grad.add_(p - w, alpha=lam)
+            opt.step()
+        personal[c] = mine.state_dict()
+    model.load_state_dict({k: val / clients for k, val in total.items()})
+
+
+def plain_round_fn(label: str, work: Workload) -> Callable[..., None]:
+    """The plain per-client loop of ``label`` as ``fn(model, xs, ys, clients, generator)``."""
+    steps, batch, lr = work.steps, work.batch, work.lr
+    if label == "FedAvg":
+        return lambda m, xs, ys, c, g: plain_loop_round(m, xs, ys, c, steps, batch, lr, g)
+    if label == "Per-FedAvg HF":
+        return lambda m, xs, ys, c, g: plain_perfedavg_hf_round(m, xs, ys, c, steps, batch, lr, g)
+    personal: dict[int, dict[str, torch.Tensor]] = {}
+    return lambda m, xs, ys, c, g: plain_ditto_round(m, personal, xs, ys, c, steps, batch, lr, g)
+
+
+@dataclass
+class CnnRow:
+    """One CNN row: medians of the interleaved repeats (seconds per round) and the floor of the same minutes."""
+
+    workload: str
+    clients: int
+    label: str
+    project_s: float = math.nan
+    loop_s: float = math.nan  # scaled from ``loop_clients`` clients to ``clients``
+    loop_clients: int = 0
+    gflop: float = math.nan
+    floor_gflops: float = math.nan
+
+    @property
+    def floor_s(self) -> float:
+        return self.gflop / self.floor_gflops
+
+    @property
+    def over_floor(self) -> float:
+        return self.project_s / self.floor_s
+
+    @property
+    def loop_over_project(self) -> float:
+        return self.loop_s / self.project_s
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = CLOCK()
+    fn()
+    return CLOCK() - t0
+
+
+def cnn_round_flops(spec: dict[str, Any], work: Workload, data: FederatedData, clients: int) -> int:
+    """FLOPs of a round of ``clients`` clients: ``FlopCounterMode`` around one LOOPED client's ``compute_round``,
+    times ``clients`` (equal clients do equal work).
+
+    Not the vmap-ed round: torch 2.14's counter ignores ``groups`` in the weight gradient of
+    ``convolution_backward``, and vmap lowers a per-client convolution to one grouped convolution over the clients,
+    so the batched round's weight-gradient FLOPs would be counted ``clients`` times over.
+    """
+    algorithm = build_algorithm(cnn_spec(spec, work.lr), tau=work.steps, batch_size=work.batch)
+    torch.manual_seed(0)
+    module, _ = make_module(algorithm, data, 1, "loop", model=work.build())
+    return round_flops(module) * clients
+
+
+def measure_cnn_row(workload: str, work: Workload, data: FederatedData, clients: int, label: str, spec: dict[str, Any],
+                    repeats: int, loop_clients: int, floor: ConvFloor) -> CnnRow:
+    """Project round (eager vmap, default chunk), plain loop round and floor kernels, alternately, ``repeats`` times
+    after one untimed round of each."""
+    row = CnnRow(workload, clients, label, loop_clients=min(clients, loop_clients))
+    algorithm = build_algorithm(cnn_spec(spec, work.lr), tau=work.steps, batch_size=work.batch)
+    torch.manual_seed(0)
+    module, opt = make_module(algorithm, data, clients, "vmap", model=work.build())
+    row.gflop = cnn_round_flops(spec, work, data, clients) / 1e9
+    run_round(module, opt, 0)
+    per_client = data.train_x.shape[0] // data.num_clients
+    xs = data.train_x[: row.loop_clients * per_client].view(row.loop_clients, per_client, *work.shape)
+    ys = data.train_y[: row.loop_clients * per_client].view(row.loop_clients, per_client)
+    torch.manual_seed(0)
+    model, plain, g = work.build(), plain_round_fn(label, work), torch.Generator().manual_seed(0)
+    plain(model, xs, ys, row.loop_clients, g)
+    project, loop, rates = [], [], []
+    for r in range(repeats):
+        project.append(_timed(lambda r=r: run_round(module, opt, r + 1)))
+        loop.append(_timed(lambda: plain(model, xs, ys, row.loop_clients, g)) * clients / row.loop_clients)
+        rates.append(floor.measure())
+    row.project_s, row.loop_s = statistics.median(project), statistics.median(loop)
+    row.floor_gflops = floor.gflops()
+    return row
+
+
+def cnn_table(rows: list[CnnRow]) -> list[str]:
+    lines = ["| workload | clients/round | algorithm | project s/round | plain loop s/round | GFLOP/round "
+             "| floor GFLOP/s | floor s/round | **project ÷ floor** | **plain loop ÷ project** |", "|" + "---|" * 10]
+    for r in rows:
+        scaled = "" if r.loop_clients == r.clients else f" (×{r.clients // r.loop_clients} of {r.loop_clients})"
+        lines.append(f"| {r.workload} | {r.clients} | {r.label} | {r.project_s:.3f} | {r.loop_s:.3f}{scaled} "
+                     f"| {r.gflop:.1f} | {r.floor_gflops:.1f} | {r.floor_s:.3f} | **{r.over_floor:.2f}×** "
+                     f"| **{r.loop_over_project:.2f}×** |")
+    return lines
+
+
+def floor_table(name: str, floor: ConvFloor) -> list[str]:
+    """Per-layer FLOPs and GFLOP/s of the floor kernels (median over the repeats)."""
+    lines = [f"| {name} layer | input shape | MFLOP fwd+bwd | GFLOP/s |", "|---|---|---|---|"]
+    for call, flops, col in zip(floor.calls, floor.flops, zip(*floor.seconds, strict=True), strict=True):
+        lines.append(f"| {call.name} | {list(call.input_shape)} | {flops / 1e6:.1f} "
+                     f"| {flops / statistics.median(col) / 1e9:.1f} |")
+    lines.append(f"| **one client step** | | **{sum(floor.flops) / 1e6:.1f}** | **{floor.gflops():.1f}** |")
+    return lines
+
+
+CNN_WORKLOADS = ("CNN", "ResNet-18")
+
+
+def _cnn_plan(quick: bool, steps: list[int] | None = None,
+              names: list[str] | None = None) -> list[tuple[str, Workload, list[int]]]:
+    """(workload, its work, clients-per-round list): PFLlib's CNN at 10 and 100, ResNet-18 at 10 (100 if cheap);
+    ``steps``: τ of the CNN and of ResNet-18 instead of the workloads' own; ``names``: a subset of the two."""
+    workloads = quick_workloads() if quick else WORKLOADS
+    sizes = [2] if quick else [10, 100]
+    taus = dict(zip(CNN_WORKLOADS, steps, strict=True)) if steps else {}
+    return [(name, replace(workloads[name], steps=taus.get(name, workloads[name].steps)), sizes)
+            for name in CNN_WORKLOADS if names is None or name in names]
+
+
+def _too_slow(rows: list[CnnRow], workload: str, label: str, clients: int) -> str | None:
+    """Why a ResNet-18 row beyond its first clients-per-round is not run: that algorithm's round, predicted linearly
+    from its measured row at fewer clients, would take ≥ :data:`RESNET_100_LIMIT_S`; ``None`` when it runs."""
+    done = [r for r in rows if r.workload == workload == "ResNet-18" and r.label == label and r.clients < clients]
+    if not done:
+        return None
+    predicted = done[0].project_s * clients / done[0].clients
+    if predicted < RESNET_100_LIMIT_S:
+        return None
+    return (f"ResNet-18 {label} at {clients} clients per round not run: its round would take about {predicted:.0f} s "
+            f"here (≥ {RESNET_100_LIMIT_S:.0f} s; {done[0].project_s:.1f} s at {done[0].clients} clients).")
+
+
+def cnn_section(quick: bool, repeats: int, loop_clients: int, steps: list[int] | None = None,
+                names: list[str] | None = None) -> list[str]:
+    """The CNN rows (see the module docstring) and the floor kernels behind them, as markdown lines."""
+    rows: list[CnnRow] = []
+    notes, floors = [], []
+    load_before = os.getloadavg()
+    for name, work, sizes in _cnn_plan(quick, steps, names):
+        floor = ConvFloor.of(work.build(), work.shape, work.batch)
+        for clients in sizes:
+            data = image_data(clients, work.shape, work.classes, train=work.steps * work.batch)
+            for label, spec in CNN_ALGORITHMS:
+                skip = _too_slow(rows, name, label, clients) if not quick else None
+                if skip:
+                    notes.append(skip)
+                    print(f"   {skip}", flush=True)
+                    continue
+                row = measure_cnn_row(name, work, data, clients, label, spec, repeats, loop_clients, floor)
+                rows.append(row)
+                print(f"   {name:<9} {clients:>3} clients {label:<14} project {row.project_s:7.3f} s  "
+                      f"loop {row.loop_s:7.3f} s  floor {row.floor_s:7.3f} s ({row.floor_gflops:.1f} GFLOP/s)  "
+                      f"÷floor {row.over_floor:.2f}  loop÷project {row.loop_over_project:.2f}", flush=True)
+        floors.append((name, floor))
+    load = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(load_before, os.getloadavg(), strict=True))
+    lines = [*cnn_table(rows), "", *notes, ""] if notes else [*cnn_table(rows), ""]
+    for name, floor in floors:
+        lines += [*floor_table(name, floor), ""]
+    lines.append(f"Load average (1, 5, 15 min) at the start / end of this section: {load}.")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -528,6 +897,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scaling", action="store_true", help="ms/round vs clients per round (10, 50, 100, 500) + PNG")
     p.add_argument("--tau", type=int, nargs="*", default=None, help="τ sweep, e.g. --tau 1 5 10 20")
     p.add_argument("--ditto-rss", action="store_true", help="peak RSS of Ditto with 1000 clients, 100 per round")
+    p.add_argument("--cnn", action="store_true",
+                   help="only the convolutional rows (PFLlib's CNN, ResNet-18): merged into speed.md's CNN section")
+    p.add_argument("--cnn-steps", type=int, nargs=2, default=None, metavar=("CNN", "RESNET"),
+                   help="CNN rows: τ of the CNN and of ResNet-18 (default: benchmarks/gpu.py's 20 and 5)")
+    p.add_argument("--cnn-workloads", nargs="+", choices=CNN_WORKLOADS, default=None,
+                   help="CNN rows: which workloads (default both)")
+    p.add_argument("--loop-clients", type=int, default=10,
+                   help="CNN rows: the plain loop runs this many clients and is scaled to the row's (default 10)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (speed.md, speed_vs_clients.png)")
     p.add_argument("--_ditto-child", nargs=4, type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--_first-round-child", default=None, help=argparse.SUPPRESS)
@@ -675,6 +1052,65 @@ def cli_section(data: FederatedData) -> list[str]:
     ]
 
 
+CNN_HEADING = "# Convolutional workloads (issue 29)"
+
+
+def merge_section(md: Path, heading: str, lines: list[str]) -> None:
+    """Write ``heading`` + ``lines`` into ``md``: in place of the section under that heading line (up to the next
+    top-level heading) if there is one, else at the end; the rest of the file is kept."""
+    text = md.read_text() if md.exists() else ""
+    section = "\n".join([heading, "", *lines]).rstrip() + "\n"
+    match = re.search(rf"^{re.escape(heading)}\n.*?(?=^# |\Z)", text, flags=re.S | re.M)
+    if match:
+        text = text[:match.start()] + section + ("\n" if match.end() < len(text) else "") + text[match.end():]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + section
+    md.write_text(text)
+
+
+def cnn_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--cnn``: the CNN rows alone, merged into ``speed.md`` (``speed_quick.md`` with ``--quick``)."""
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    started = time.perf_counter()
+    print(_environment())
+    with _section("convolutional workloads"):
+        lines = cnn_section(args.quick, repeats, args.loop_clients, args.cnn_steps, args.cnn_workloads)
+    print("\n".join(lines))
+    intro = [
+        f"Command: `python benchmarks/speed.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
+        f"Machine: {_environment()}  ",
+        "Work per client and round (benchmarks/gpu.py's `WORKLOADS`): PFLlib's FedAvgCNN on 1×28×28, batch 10; "
+        "ResNet-18 (GroupNorm, torchvision stem) on 3×32×32, batch 32; "
+        + (f"τ = {args.cnn_steps[0]} and {args.cnn_steps[1]} steps (`--cnn-steps`; a round's cost is linear in τ, "
+           "the ratios do not depend on it); " if args.cnn_steps else "τ = 20 and 5 steps; ")
+        + "learning rate "
+        "0.01 (Per-FedAvg HF: α = β = 0.01, δ = 0.001; Ditto: λ = 0.1, personal steps = τ). Random data of those "
+        "shapes.",
+        "",
+        "- **project**: `run_round` of a FederatedModule, `client_batching=\"vmap\"`, eager, default "
+        "`client_chunk_size` (100; on the CPU a convolutional model trains 10 clients per vmap call, "
+        "`execution.CPU_CONV_CHUNK`).",
+        "- **plain loop**: the same work written by hand (a fresh `nn.Module` copy and `torch.optim.SGD` per client, "
+        "data in memory; FedAvg is benchmarks/gpu.py's `plain_loop_round`, Per-FedAvg HF and Ditto their hand-written "
+        f"counterparts here), timed on {args.loop_clients} clients and scaled linearly to the row's clients.",
+        "- **floor**: FLOPs of the round (`FlopCounterMode` around one looped client's `compute_round` × clients: "
+        "convolutions and matmuls) ÷ the "
+        "throughput of the model's own conv/linear layers, forward + backward, unbatched for one client, each layer "
+        "timed alone at its shape (table below).",
+        f"- The machine is shared with other engineers' tests and benchmarks: project, plain loop and floor kernels "
+        f"run alternately, {repeats} time(s) each after an untimed round, and each column is the median, so the "
+        "ratios within a row come from the same minutes. Targets: project ÷ floor ≤ "
+        f"{CNN_FLOOR_TARGET:g}×, plain loop ÷ project ≥ {CNN_LOOP_TARGET:g}×.",
+        "",
+    ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = args.out / f"speed{'_quick' if args.quick else ''}.md"
+    heading = f"{CNN_HEADING}: {', '.join(args.cnn_workloads or CNN_WORKLOADS)}"
+    merge_section(md, heading, [*intro, *lines, "", f"Section time: {time.perf_counter() - started:.0f} s."])
+    print(f"wrote {md}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.getLogger("lightning").setLevel(logging.WARNING)
@@ -689,6 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args._first_round_child:
         first_round_child(args._first_round_child)
         return 0
+    if args.cnn:
+        return cnn_main(args, argv)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 20)
     labels = args.algorithms or (["FedAvg", "Per-FedAvg HF", "Ditto"] if args.quick else [a for a, _ in ALGORITHMS])

@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["run_clients", "choose_batching", "ClientBatching", "BatchingError"]
+__all__ = ["run_clients", "choose_batching", "training_chunk_size", "ClientBatching", "BatchingError", "CPU_CONV_CHUNK"]
 
 ClientBatching = Literal["auto", "vmap", "loop"]
 
@@ -128,6 +128,26 @@ def run_clients(
             out[sl].copy_(t)
         del chunk
     return tree_unflatten(leaves, spec)
+
+
+#: clients per ``vmap`` call for a model with convolutions on the CPU. vmap lowers a per-client convolution to one
+#: grouped convolution over the chunk's clients, whose activations (and max-pool indices) outgrow the CPU's caches as
+#: the chunk grows: PFLlib's CNN, 100 clients per round, batch 10, one thread, CPU seconds per round: chunk 100 3.55,
+#: 25 2.98, 10 2.45, 5 2.45 (benchmarks/results/speed.md, issue 29). GPUs keep the requested chunk.
+CPU_CONV_CHUNK = 10
+_CONV_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def training_chunk_size(model: nn.Module, device: torch.device, requested: int | None) -> int | None:
+    """Clients per ``vmap`` call of a training round: ``requested`` (``None``: all at once), at most
+    :data:`CPU_CONV_CHUNK` for a model with convolution layers on the CPU.
+
+    The chunk size changes no number beyond floating-point reassociation (the clients are independent; tested
+    in tests/engine/test_vision_models.py); it only changes speed and peak memory.
+    """
+    if device.type != "cpu" or not any(isinstance(m, _CONV_LAYERS) for m in model.modules()):
+        return requested
+    return CPU_CONV_CHUNK if requested is None else min(requested, CPU_CONV_CHUNK)
 
 
 def _unbatchable_layers(model: nn.Module) -> list[str]:

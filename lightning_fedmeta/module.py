@@ -82,7 +82,9 @@ class FederatedModule(LightningModule):
         server_lr_scheduler: optional scheduler factory for the server optimizer, stepped every round.
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
         client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast);
-            ``None`` = all at once. Timings: benchmarks/results/speed.md.
+            ``None`` = all at once; training rounds of a model with convolutions on the CPU run at most
+            :data:`~lightning_fedmeta.execution.CPU_CONV_CHUNK` (10) per call (faster: its activations stay in
+            cache). Timings: benchmarks/results/speed.md.
         compile_clients: ``torch.compile`` the client context's primitives (``sgd_step``, ``loss_and_grad``,
             ``grad``, ``hvp``, ``loss``, ``predict``), each once, batched over the clients and reused for every
             local step (:mod:`lightning_fedmeta.compiled`; vmap path only). ``"auto"`` (default) compiles the

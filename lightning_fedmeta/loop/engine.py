@@ -32,7 +32,7 @@ from lightning_fedmeta.attacks import flip_labels
 from lightning_fedmeta.communication import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.dp_draws import DPDraws, SecretDraws
-from lightning_fedmeta.execution import choose_batching, run_clients
+from lightning_fedmeta.execution import choose_batching, run_clients, training_chunk_size
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.loop.client_state import (
     AnyStore,
@@ -150,6 +150,12 @@ class RoundEngine:
         self.ctx = self.make_context()
         return reason
 
+    @property
+    def training_chunk(self) -> int | None:
+        """Clients per vmap call of a training round (:func:`~lightning_fedmeta.execution.training_chunk_size`)."""
+        assert self.model is not None
+        return training_chunk_size(self.model, self.device, self.client_chunk_size)
+
     def make_context(self) -> ClientContext:
         """The clients' functional view of the model (with the primitive compiler on the batched path)."""
         assert self.model is not None
@@ -265,7 +271,7 @@ class RoundEngine:
         return run_clients(
             self._client_fn, (self.compression.download(self.global_params()), self.server_state),
             (batches, states, self.records(clients), self.starting_buffers(clients)),
-            clients.numel(), self.batching, self.client_chunk_size, seeds,
+            clients.numel(), self.batching, self.training_chunk, seeds,
             label=f"{type(self.algorithm).__name__}.client_update",
         )
 

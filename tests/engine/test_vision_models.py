@@ -9,7 +9,9 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from lightning_fedmeta.execution import choose_batching, run_clients
+from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.execution import CPU_CONV_CHUNK, choose_batching, run_clients, training_chunk_size
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.models import FEMNISTCNN, FedAvgCNN, LeNet5, ResNet18
 
@@ -94,3 +96,46 @@ def test_loop_equals_vmap(build, shape: tuple[int, ...], classes: int) -> None:
         torch.testing.assert_close(batched[name], looped[name], **TOL, msg=name)
     last = list(looped)[-2]  # the output layer's weight
     assert not torch.allclose(looped[last][0], looped[last][1])  # unequal clients really differ
+
+
+def test_convolutional_models_train_in_chunks_of_ten_on_the_cpu() -> None:
+    cnn, mlp = FedAvgCNN(), nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    cpu = torch.device("cpu")
+    assert training_chunk_size(cnn, cpu, 100) == CPU_CONV_CHUNK == 10
+    assert training_chunk_size(cnn, cpu, None) == 10 and training_chunk_size(cnn, cpu, 4) == 4
+    assert training_chunk_size(mlp, cpu, 100) == 100 and training_chunk_size(mlp, cpu, None) is None
+    assert training_chunk_size(cnn, torch.device("cuda"), 100) == 100  # GPUs keep the requested chunk (no GPU needed)
+
+
+def test_chunked_vmap_equals_the_loop_for_a_cnn() -> None:
+    torch.manual_seed(0)
+    model = FedAvgCNN()
+    ctx = ClientContext(model, per_sample_loss=lambda out, y: F.cross_entropy(out, y, reduction="none"))
+
+    def client(params, batches):
+        for step in range(STEPS):
+            params, _ = ctx.sgd_step(params, batches.at(step), 0.1)
+        return params
+
+    start = {k: v.detach() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(2)
+    clients = 7
+    batches = Batch(torch.randn(clients, STEPS, BATCH, 1, 28, 28, generator=g),
+                    torch.randint(0, 10, (clients, STEPS, BATCH), generator=g), torch.ones(clients, STEPS, BATCH))
+    looped = run_clients(client, (start,), (batches,), clients, "loop")
+    for chunk in (3, None):  # chunks of 3 (the last one partial) and all clients in one call
+        batched = run_clients(client, (start,), (batches,), clients, "vmap", chunk)
+        for name in looped:
+            torch.testing.assert_close(batched[name], looped[name], **TOL, msg=f"{name}, chunk {chunk}")
+
+
+def test_the_round_engine_trains_a_cnn_in_chunks_of_ten_and_an_mlp_as_asked() -> None:
+    g = torch.Generator().manual_seed(0)
+    counts = torch.arange(4) * 4  # 3 clients of 4 samples each, train and test
+    data = FederatedData(torch.rand(12, 1, 28, 28, generator=g), torch.randint(0, 10, (12,), generator=g), counts,
+                         torch.rand(12, 1, 28, 28, generator=g), torch.randint(0, 10, (12,), generator=g), counts, 10)
+    for model, expected in ((FedAvgCNN(), CPU_CONV_CHUNK), (nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), 100)):
+        module = FederatedModule(model, {"name": "fedavg", "local_steps": 1, "batch_size": 2}, clients_per_round=2,
+                                 client_chunk_size=100)
+        module.attach_data(data)
+        assert module.engine.training_chunk == expected
