@@ -67,6 +67,7 @@ class APFL(Algorithm):
     Client state: ``{"personal": {name: tensor}, "alpha": scalar}`` (read only once the client has trained).
     """
 
+    step_budget = True
     name = "apfl"
     summary = "APFL: personal v_k mixed with the global w as α_k v_k + (1 − α_k) w, α_k learned (Deng et al.)"
 

@@ -82,6 +82,7 @@ class FedALA(Algorithm):
     higher tensors, 1.0 once its start phase is done).
     """
 
+    step_budget = True
     name = "fedala"
     summary = "FedALA: element-wise learned local aggregation of the global model into the local one (Zhang et al.)"
 
@@ -114,13 +115,24 @@ class FedALA(Algorithm):
         return max(self.ala_steps, self.ala_start_steps)
 
     def round_plan(self) -> BatchPlan:
-        """The W steps' batches, then ``local_steps`` batches of local training."""
+        """The W steps' batches, then ``local_steps`` batches of local training. Under ``local_epochs`` the base
+        epoch plan: the W steps take its first batches, which the local training then also uses."""
+        if self.local_epochs is not None:
+            return super().round_plan()
         return BatchPlan(steps=self.weight_steps + self.local_steps, per_step=1, batch_size=self.batch_size)
 
     def eval_plan(self) -> BatchPlan:
-        """The W steps' batches, then ``finetune_steps`` batches of fine-tuning."""
+        """The W steps' batches, then ``finetune_steps`` batches of fine-tuning (under ``finetune_epochs``: the base
+        epoch plan, the W steps on its first batches, as in :meth:`round_plan`)."""
+        if self.finetune_epochs is not None:
+            return super().eval_plan()
         return BatchPlan(steps=self.weight_steps + self.finetune_steps, per_step=1,
                          batch_size=self.finetune_batch_size)
+
+    def _training_batches(self, batches: Batch, epochs: int | None) -> Batch:
+        """The SGD steps' batches: all of them under epochs (the W steps shared them), else those after the W
+        steps' ``weight_steps``."""
+        return batches if epochs is not None else self._tail(batches, self.weight_steps)
 
     def higher(self, params: Params) -> list[str]:
         """Names of the p highest parameter tensors (the last ``ala_layers`` of the model's order)."""
@@ -141,13 +153,14 @@ class FedALA(Algorithm):
         self, ctx: ClientContext, params: Params, state: dict[str, Tensor], batches: Batch, client: ClientRecord
     ) -> tuple[Params, Params]:
         """The local start θ̂_k and the learned W_k, from the first ``weight_steps`` batches (the steps beyond
-        ``ala_steps`` count only in the start phase)."""
+        ``ala_steps`` count only in the start phase; under epochs a client with fewer batches takes as many W steps
+        as it has batches: a W step on an empty batch has a zero gradient)."""
         local = started_from(client, state[LOCAL], params)
         weights = started_from(client, state[WEIGHTS], {k: torch.ones_like(v) for k, v in state[WEIGHTS].items()})
         started = torch.where(client.seen, state[STARTED], torch.zeros_like(state[STARTED]))
         gap = {k: params[k] - local[k] for k in weights}
         frozen = ctx.frozen()
-        for t in range(self.weight_steps):
+        for t in range(min(self.weight_steps, batches.x.shape[0])):
             start = {**params, **{k: local[k] + gap[k] * weights[k] for k in weights}}
             g = frozen.grad(start, batches.at(t, 0))
             rate = self.eta if t < self.ala_steps else self.eta * (1 - started)
@@ -168,7 +181,7 @@ class FedALA(Algorithm):
         client: ClientRecord,
     ) -> ClientOutput:
         start, weights = self.aggregate_locally(ctx, params, state, batches, client)
-        local, loss = local_sgd(ctx, start, self._tail(batches, self.weight_steps), self.local_lr)
+        local, loss = local_sgd(ctx, start, self._training_batches(batches, self.local_epochs), self.local_lr)
         started = torch.where(client.seen, torch.ones_like(state[STARTED]), state[STARTED])
         return ClientOutput(
             delta=tree_sub(local, params),
@@ -188,4 +201,4 @@ class FedALA(Algorithm):
     ) -> Params:
         """The local start θ̂_k (W_k learned again, not kept), then ``finetune_steps`` SGD steps."""
         start, _ = self.aggregate_locally(ctx, params, state, batches, client)
-        return self.finetune(ctx, start, self._tail(batches, self.weight_steps))
+        return self.finetune(ctx, start, self._training_batches(batches, self.finetune_epochs))

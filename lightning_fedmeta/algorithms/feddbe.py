@@ -52,7 +52,7 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.feature_common import LinearHead, features_and_logits, linear_head
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
 __all__ = ["FedDBE"]
 
@@ -85,6 +85,7 @@ class FedDBE(Algorithm):
     ḡ is set).
     """
 
+    step_budget = True
     name = "feddbe"
     summary = "FedDBE: FedAvg + personal representation bias and a global-mean regulariser (Zhang et al., 2023)"
 
@@ -168,9 +169,13 @@ class FedDBE(Algorithm):
         running = torch.zeros_like(state[CLIENT_MEAN])
         losses = []
         for t in range(batches.x.shape[0]):
-            g, (loss, running) = grad_and_value(
+            batch = batches.at(t, 0)
+            g, (loss, m) = grad_and_value(
                 lambda p, b, r: self.local_loss(ctx, p, b, r, server_state, head), has_aux=True
-            )(trained, batches.at(t, 0), running)
+            )(trained, batch, running)
+            # an empty step (padding under local_epochs) is no step: its gradient is 0, and the running mean,
+            # which would decay towards its z̄ = 0, is kept
+            running = torch.where(has_samples(batch), m, running)
             w, mu = trained
             trained = ({k: w[k] - self.local_lr * g[0][k] for k in w}, mu - self.local_lr * g[1])
             losses.append(loss)

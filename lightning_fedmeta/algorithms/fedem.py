@@ -215,7 +215,10 @@ class FedEM(Algorithm):
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval_plan(self) -> BatchPlan:
-        """At least one batch: a client that has not trained estimates its π on it."""
+        """At least one batch: a client that has not trained estimates its π on it. Under ``finetune_epochs`` the
+        base epoch plan (at least one epoch): π is estimated on all of its batches, then one SGD step per batch."""
+        if self.finetune_epochs is not None:
+            return super().eval_plan()
         return BatchPlan(steps=max(self.finetune_steps, 1), per_step=1, batch_size=self.finetune_batch_size)
 
     def personalize(
@@ -237,4 +240,5 @@ class FedEM(Algorithm):
         mixture = torch.where(client.seen, state[MIXTURE], mixture.to(state[MIXTURE].dtype))
         stacked = {n: torch.stack([theta[n] for theta in thetas]) for n in params}
         chosen = tree_weighted_sum(stacked, one_hot(mixture.argmax(), self.num_components, mixture.dtype))
-        return self.finetune(ctx, chosen, batches, steps=self.finetune_steps)
+        steps = None if self.finetune_epochs is not None else self.finetune_steps  # epochs: one step a batch
+        return self.finetune(ctx, chosen, batches, steps=steps)

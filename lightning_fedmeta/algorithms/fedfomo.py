@@ -93,6 +93,7 @@ class FedFomo(Algorithm):
     ``[K, ...]`` per parameter) and ``affinity`` ``[K, K]`` (P).
     """
 
+    step_budget = True
     name = "fedfomo"
     summary = "FedFomo: clients weight peers' models by validation-loss improvement per distance (Zhang et al.)"
     server_optimizer_applies = False
@@ -115,14 +116,21 @@ class FedFomo(Algorithm):
 
     # -- plans and state ----------------------------------------------------------------------
     def round_plan(self) -> BatchPlan:
-        """The base plan plus one batch, first: the validation batch V."""
+        """The base plan plus one batch, first: the validation batch V. Under ``local_epochs`` the base epoch plan
+        as it is: V is the first batch of the first epoch, which the τ = E·⌈n_i/B⌉ SGD steps then also use."""
         plan = super().round_plan()
-        return dataclasses.replace(plan, steps=plan.steps + 1)
+        return plan if plan.epochs is not None else dataclasses.replace(plan, steps=plan.steps + 1)
 
     def eval_plan(self) -> BatchPlan:
-        """The base plan plus one batch, first: a new client's validation batch."""
+        """The base plan plus one batch, first: a new client's validation batch (under ``finetune_epochs`` the
+        base epoch plan: V is the first fine-tuning batch, as in :meth:`round_plan`)."""
         plan = super().eval_plan()
-        return dataclasses.replace(plan, steps=plan.steps + 1)
+        return plan if plan.epochs is not None else dataclasses.replace(plan, steps=plan.steps + 1)
+
+    @staticmethod
+    def _training_batches(batches: Batch, epochs: int | None) -> Batch:
+        """The SGD steps' batches: all of them under epochs (V is the first), else batches 1.. (V held apart)."""
+        return batches if epochs is not None else Batch(batches.x[1:], batches.y[1:], batches.mask[1:])
 
     def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:
         """Record K, the number of clients (the server keeps a model per client)."""
@@ -154,11 +162,12 @@ class FedFomo(Algorithm):
         server_state: dict[str, Tensor],
         client: ClientRecord,
     ) -> ClientOutput:
-        """Combine the top-M stored models on batch 0, then τ SGD steps on batches 1..τ; upload θ_i and w."""
+        """Combine the top-M stored models on batch 0, then τ SGD steps on batches 1..τ (under ``local_epochs``:
+        on every batch, batch 0 included); upload θ_i and w."""
         own = state[PERSONAL]
         candidates = self.download(params, server_state, client)[MODELS]
         combined, w = first_order_combination(ctx, own, candidates, batches.at(0, 0))
-        rest = Batch(batches.x[1:], batches.y[1:], batches.mask[1:])
+        rest = self._training_batches(batches, self.local_epochs)
         trained, loss = local_sgd(ctx, combined, rest, self.local_lr)
         return ClientOutput(
             delta=tree_zeros_like(params),
@@ -223,8 +232,8 @@ class FedFomo(Algorithm):
         client: ClientRecord,
     ) -> Params:
         """A new client: θ⁰ combined with all K stored models on batch 0; others: θ_i. Then ``finetune_steps``
-        SGD steps on the remaining batches."""
+        SGD steps on the remaining batches (under ``finetune_epochs``: on every batch)."""
         start = self.personal_start(params, state, server_state, client)
         combined, _ = first_order_combination(ctx, params, server_state[MODELS], batches.at(0, 0))
         start = {k: torch.where(client.is_new, combined[k], v) for k, v in start.items()}
-        return self.finetune(ctx, start, Batch(batches.x[1:], batches.y[1:], batches.mask[1:]))
+        return self.finetune(ctx, start, self._training_batches(batches, self.finetune_epochs))

@@ -81,6 +81,7 @@ class FedRoD(Algorithm):
     client's label histogram, fixed).
     """
 
+    step_budget = True
     name = "fedrod"
     summary = "FedRoD: generic head by balanced softmax (averaged) + personal head on the summed logits (Chen & Chao)"
 

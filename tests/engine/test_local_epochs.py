@@ -89,11 +89,15 @@ def test_appended_empty_steps_change_nothing(name: str) -> None:
 
 def test_the_audited_algorithms_declare_step_budget() -> None:
     """The audit's outcome (docs/concepts.md): these honour empty steps (the two-phase Ditto and FedRep in each
-    phase: tests/engine/test_local_epochs_phases.py); MOCHA does not."""
+    phase: tests/engine/test_local_epochs_phases.py; apfl … pfedme: tests/engine/test_local_epochs_more.py); MOCHA
+    does not."""
     declared = set(_budget_algorithms())
     assert {"fedavg", "fedprox", "scaffold", "reptile", "perfedavg", "ifca", "cfl", "mtl_mean", "mtl_pairwise",
-            "mtl_graph", "ditto", "fedrep", "fedmaml", "perfedmaml"} <= declared
+            "mtl_graph", "ditto", "fedrep", "fedmaml", "perfedmaml", "apfl", "fedala", "feddbe", "fedfomo",
+            "fedrod"} <= declared
     assert "mocha" not in declared
+    if "pfedme" in {entry.name for entry in list_algorithms()}:
+        assert load_algorithm("pfedme").step_budget
 
 
 # ----------------------------------------------------------------------------------------------

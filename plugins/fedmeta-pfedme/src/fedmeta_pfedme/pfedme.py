@@ -41,11 +41,21 @@ from __future__ import annotations
 
 import torch
 from lightning_fedmeta import Algorithm, Batch, BatchPlan, ClientContext, ClientOutput, ClientRecord, Params
+from lightning_fedmeta.functional import has_samples
 from torch import Tensor
 
 __all__ = ["PFedMe"]
 
 THETA = "theta"  # client-state key of the personal model θ_i: ``{"theta": {parameter name: tensor}}``
+
+
+def _mean_over_taken_rounds(losses: list[Tensor], batches: Batch) -> Tensor:
+    """The mean loss over the local rounds whose batch holds a sample (``Σ_r s_r ℓ_r / max(1, Σ_r s_r)``); the plain
+    mean when every round has one (no padding), computed as before."""
+    stacked = torch.stack(losses)
+    taken = (batches.mask.reshape(stacked.shape[0], -1).sum(1) > 0).to(stacked.dtype)
+    over_taken = (stacked * taken).sum() / taken.sum().clamp_min(1.0)
+    return torch.where(taken.all(), stacked.mean(), over_taken)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -73,6 +83,7 @@ class PFedMe(Algorithm):
     per client). A trained client is evaluated with it; a never-trained one with θ̂_i(w).
     """
 
+    step_budget = True
     name = "pfedme"
     summary = "pFedMe: personal θ_i = prox of f_i at w (K inner steps), w on the Moreau envelope (Dinh et al., 2020)"
     # Common arguments pFedMe does not use, with the reason (refused with it; left out of repr/hparams).
@@ -128,12 +139,16 @@ class PFedMe(Algorithm):
     def prox_point(self, ctx: ClientContext, w: Params, batch: Batch, theta: Params) -> tuple[Params, Tensor]:
         """K inner steps ``θ ← θ − ν (∇f(θ; D) + λ (θ − w))`` towards ``argmin_θ f(θ; D) + λ/2 ‖θ − w‖²``.
 
-        Returns the final θ and ``f(θ; D)`` at the first inner step (the loss of the incoming θ).
+        Returns the final θ and ``f(θ; D)`` at the first inner step (the loss of the incoming θ). On an empty
+        batch (a padded step under ``local_epochs``/``finetune_epochs``) θ is returned unchanged: the pull
+        ``λ (θ − w)`` would still move it.
         """
         first_loss = None
+        taken = has_samples(batch)
         for _ in range(self.inner_steps):
             loss, g = ctx.loss_and_grad(theta, batch)
-            theta = {k: theta[k] - self.personal_lr * (g[k] + self.lam * (theta[k] - w[k])) for k in theta}
+            stepped = {k: theta[k] - self.personal_lr * (g[k] + self.lam * (theta[k] - w[k])) for k in theta}
+            theta = {k: torch.where(taken, stepped[k], theta[k]) for k in theta}
             if first_loss is None:
                 first_loss = loss
         assert first_loss is not None
@@ -156,20 +171,28 @@ class PFedMe(Algorithm):
         theta = params
         losses = []
         for r in range(batches.x.shape[0]):
-            theta, loss = self.prox_point(ctx, w_local, batches.at(r, 0), theta)
-            w_local = {k: w_local[k] - self.local_lr * self.lam * (w_local[k] - theta[k]) for k in w_local}
+            batch = batches.at(r, 0)
+            theta, loss = self.prox_point(ctx, w_local, batch, theta)
+            # an empty local round (padding under local_epochs) is no round: w_local is kept
+            taken = has_samples(batch)
+            w_local = {k: torch.where(taken, w_local[k] - self.local_lr * self.lam * (w_local[k] - theta[k]),
+                                      w_local[k]) for k in w_local}
             losses.append(loss)
         gap = sum(((theta[k] - w_local[k]) ** 2).sum() for k in theta)
         return ClientOutput(
             delta={k: w_local[k] - params[k] for k in params},
             state={THETA: {k: theta[k] for k in params}},
             extras={},
-            metrics={"loss": torch.stack(losses).mean(), "personal_gap": gap},
+            metrics={"loss": _mean_over_taken_rounds(losses, batches), "personal_gap": gap},
         )
 
     # ------------------------------------------------------------------------------------------
     def eval_plan(self) -> BatchPlan:
-        """One batch (``eval_batch_size``; ``None`` = the whole training set) for the new-client prox solve."""
+        """One batch (``eval_batch_size``; ``None`` = the whole training set) for the new-client prox solve; under
+        ``finetune_epochs`` E epochs of such batches, one prox solve per batch (θ warm-started, w fixed)."""
+        if self.finetune_epochs is not None:
+            return BatchPlan(steps=0, per_step=1, batch_size=self.eval_batch_size, epochs=self.finetune_epochs,
+                             drop_last=self.drop_last)
         return BatchPlan(steps=1, per_step=1, batch_size=self.eval_batch_size)
 
     def personalize(
@@ -182,7 +205,10 @@ class PFedMe(Algorithm):
         client: ClientRecord,
     ) -> Params:
         """Client i's evaluation model: its stored θ_i if it has trained (``client.seen``), else θ̂_i(w), K inner
-        prox steps from θ = w on its training batch (a new client's personalisation)."""
-        fresh, _ = self.prox_point(ctx, params, batches.at(0, 0), params)
+        prox steps from θ = w on its training batch (a new client's personalisation; under ``finetune_epochs`` K
+        inner steps on each batch in turn)."""
+        fresh = params
+        for t in range(batches.x.shape[0]):
+            fresh, _ = self.prox_point(ctx, params, batches.at(t, 0), fresh)
         # both branches are computed: a tensor-valued choice keeps this vmap-safe
         return {k: torch.where(client.seen, state[THETA][k].to(fresh[k].dtype), fresh[k]) for k in params}
