@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -348,6 +349,7 @@ def write_report(records: list[dict[str, Any]], labels: list[str], splits: list[
         f"PFLlib's numbers: its leaderboard ({PUBLISHED_SOURCE}, FMNIST columns): best round of 2000 (chosen on "
         "test data), 3 trials.", "",
     ]
+    lines += _timing_lines(records, settings)
     for split in splits:
         lines += [f"## {split}: {SPLIT_TITLES[split]}", "",
                   "| algorithm | local work | stopping round (val acc) | seeds | final acc | best round (chosen on "
@@ -360,6 +362,21 @@ def write_report(records: list[dict[str, Any]], labels: list[str], splits: list[
                 f" | {row['published']} |")
         lines.append("")
     out.write_text("\n".join(lines))
+
+
+def _timing_lines(records: list[dict[str, Any]], settings: Settings) -> list[str]:
+    """The report's cost paragraph: the hand-measured round of ``STEM_timing.json`` (when there is one) and the
+    seconds per round of the runs recorded (whole processes, start-up and evaluation included)."""
+    lines = ["## Cost", ""]
+    timing = settings.records.with_name(settings.records.stem + "_timing.json")
+    if timing.exists():
+        lines += [json.loads(timing.read_text())["text"], ""]
+    runs = [r for r in records if "error" not in r and r.get("rounds")]
+    if runs:
+        per_round = statistics.median(r["wall_s"] / r["rounds"] for r in runs)
+        lines += [f"Recorded runs: {len(runs)}, {fmt_duration(sum(r['wall_s'] for r in runs))} in all, median "
+                  f"{per_round:.0f} s per round (whole process).", ""]
+    return lines
 
 
 def plot(records: list[dict[str, Any]], labels: list[str], splits: list[str], out: Path) -> None:

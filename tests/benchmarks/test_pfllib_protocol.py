@@ -68,3 +68,12 @@ def test_quick_run_writes_records_and_report_and_resumes(tmp_path: Path, capsys)
     capsys.readouterr()
     assert pp.main(argv) == 0  # every run is stored: nothing runs again
     assert "0 to run" in capsys.readouterr().out and len(read_records(out.with_suffix(".jsonl"))) == 2
+
+
+def test_the_cost_paragraph_quotes_the_measured_round_and_the_recorded_runs(tmp_path: Path) -> None:
+    settings = pp.Settings(records=tmp_path / "pp.jsonl")
+    (tmp_path / "pp_timing.json").write_text('{"text": "One FedAvg round took 190 s at load 9."}')
+    records = [{"wall_s": 300.0, "rounds": 3}, {"wall_s": 50.0, "rounds": 1}, {"error": "boom", "wall_s": 9.0}]
+    text = "\n".join(pp._timing_lines(records, settings))
+    assert "One FedAvg round took 190 s at load 9." in text and "Recorded runs: 2" in text
+    assert "median 75 s per round" in text  # the median of 100 and 50 s per round
