@@ -1,0 +1,79 @@
+"""benchmarks/pfllib_protocol.py: the phase configs, the epoch fallback, the --quick run, its records, resume
+and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import pfllib_protocol as pp
+from benchmarks.harness import read_records
+
+
+def test_the_stop_phase_validates_with_early_stopping_and_the_final_phase_tests() -> None:
+    settings = pp.Settings()
+    stop = pp.run_config("FedAvg", "dir", "stop", 2000, settings)
+    final = pp.run_config("FedAvg", "dir", "final", 137, settings)
+    assert stop["data"]["validation_fraction"] == 0.2 and final["data"]["validation_fraction"] == 0.0
+    assert stop["data"]["eval_every"] == final["data"]["eval_every"] == 1
+    assert stop["data"]["partition"] == "dirichlet_min_size" and stop["data"]["dirichlet_alpha"] == 0.1
+    (callback,) = stop["trainer"]["callbacks"]
+    assert callback["class_path"].endswith("EarlyStopping")
+    assert callback["init_args"] == {"monitor": "val/acc_weighted", "mode": "max", "min_delta": 0.001, "patience": 20}
+    assert "callbacks" not in final["trainer"] and final["trainer"]["max_steps"] == 137
+    algorithm = final["model"]["algorithm"]
+    assert (algorithm["local_epochs"], algorithm["batch_size"], algorithm["local_lr"], algorithm["drop_last"]) == (
+        1, 10, 0.005, True)
+    assert pp.run_config("FedAvg", "pat", "final", 137, settings)["data"]["partition"] == "pathological"
+
+
+def test_an_algorithm_refusing_local_epochs_runs_the_median_clients_epoch_of_steps(monkeypatch) -> None:
+    monkeypatch.setattr(pp, "_train_counts", lambda split, phase, settings: [35, 20, 99, 400, 61])
+    settings = pp.Settings()
+    assert pp.local_work("FedAvg", "pat", "final", settings) == ({"local_epochs": 1}, "1 epoch")
+    work, label = pp.local_work("Ditto", "pat", "final", settings)
+    assert work == {"local_steps": 6, "personal_steps": 6} and "local_epochs refused" in label  # ⌊61/10⌋
+    work, _ = pp.local_work("Per-FedAvg", "pat", "final", settings)
+    assert work == {"local_steps": 3}  # two batches of 10 a step, PFLlib's loader of 20: ⌊61/20⌋
+    config = pp.run_config("Ditto", "pat", "final", 5, settings, work={"local_steps": 6})
+    assert "local_epochs" not in config["model"]["algorithm"] and config["model"]["algorithm"]["local_steps"] == 6
+
+
+def test_summary_takes_the_finals_of_the_stop_rounds_and_cites_pfllib() -> None:
+    def rec(phase: str, seed: int, rounds: int, acc: float, max_rounds: int = 2000) -> dict:
+        return {"algorithm": "FedAvg", "split": "pat", "phase": phase, "seed": seed, "rounds": rounds, "acc": acc,
+                "best_acc": acc + 0.01, "client_std": 0.1, "max_rounds": max_rounds, "local_work": "1 epoch"}
+
+    records = [rec("stop", 0, 40, 0.7), rec("final", 0, 40, 0.80, 40), rec("final", 1, 40, 0.82, 40),
+               rec("final", 2, 30, 0.99, 30)]  # seed 2 ran an older stop's rounds: not counted
+    (row,) = pp.summarise(records, ["FedAvg"], "pat")
+    assert row["seeds"] == [0, 1] and row["acc"][0] == pytest.approx(0.81)
+    assert row["best_acc"][0] == pytest.approx(0.82) and row["published"] == "80.41 ± 0.08"
+
+
+def test_quick_run_writes_records_and_report_and_resumes(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "pfllib"
+    argv = ["--quick", "--only", "FedAvg", "--out", str(out)]
+    assert pp.main(argv) == 0
+    records = read_records(out.with_suffix(".jsonl"))
+    assert [(r["phase"], r["seed"]) for r in records] == [("stop", 0), ("final", 0)]
+    stop, final = records
+    assert stop["eval_split"] == "validation" and final["eval_split"] == "test"
+    assert stop["rounds"] == 2 < stop["max_rounds"] == 3  # the quick stop rule (patience 1, min_delta 1) fired
+    assert final["max_rounds"] == final["rounds"] == 2 and len(final["curve"]) == 2
+    assert final["best_label"] == "best round (chosen on test data)" and 0 <= final["acc"] <= 1
+    report = out.with_suffix(".md").read_text()
+    assert "| FedAvg | 1 epoch | 2 (val" in report and "80.41 ± 0.08" in report and out.with_suffix(".png").exists()
+    capsys.readouterr()
+    assert pp.main(argv) == 0  # every run is stored: nothing runs again
+    assert "0 to run" in capsys.readouterr().out and len(read_records(out.with_suffix(".jsonl"))) == 2
+
+
+def test_the_cost_paragraph_quotes_the_measured_round_and_the_recorded_runs(tmp_path: Path) -> None:
+    settings = pp.Settings(records=tmp_path / "pp.jsonl")
+    (tmp_path / "pp_timing.json").write_text('{"text": "One FedAvg round took 190 s at load 9."}')
+    records = [{"wall_s": 300.0, "rounds": 3}, {"wall_s": 50.0, "rounds": 1}, {"error": "boom", "wall_s": 9.0}]
+    text = "\n".join(pp._timing_lines(records, settings))
+    assert "One FedAvg round took 190 s at load 9." in text and "Recorded runs: 2" in text
+    assert "median 75 s per round" in text  # the median of 100 and 50 s per round
