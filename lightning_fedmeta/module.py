@@ -115,7 +115,7 @@ class FederatedModule(LightningModule):
         local_steps_dist: per-client budgets of local steps (stragglers do fewer; their missing steps are masked,
             clients still run batched): a list with one budget per client, or ``{distribution: uniform, low, high}``
             or ``{distribution: choice, values, probs}`` drawn per round and client. Algorithms that declare
-            ``step_budget`` only (fedavg, fedprox, reptile, scaffold, perfedavg).
+            ``step_budget`` only (every built-in algorithm but MOCHA).
         aggregator: the server's rule for uploads that are parameter deltas: ``mean`` (default: the algorithm's
             own aggregate), ``median``, ``trimmed_mean`` (``beta``), ``krum`` / ``multi_krum`` (``f``, ``m``),
             ``bulyan`` (``f``), ``geometric_median``, ``fednova``; ``clip`` bounds every update's norm first.

@@ -91,6 +91,7 @@ OTHER_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "aggregator": ("median", {}),
     "byzantine": ({"fraction": 0.2, "attack": "sign_flip"}, {}),
     "dp": ({"clip": 1.0, "noise_multiplier": 1.0}, {"aggregation": "uniform"}),
+    "compression": ("float16", {}),
 }
 #: options that are not hyper-parameters: the architecture (named by model_class), and the server optimizer and
 #: scheduler (factories; compared as built optimizers when fitting: test_another_server_optimizer_is_refused)

@@ -197,7 +197,8 @@ def test_print_config_and_the_saved_config_show_every_algorithm_hyper_parameter(
     assert done.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)["model"]["algorithm"]
     assert printed == {"name": "fedavg", "local_lr": 0.05, "local_steps": 2, "batch_size": 8, "finetune_steps": 0,
-                       "finetune_lr": None, "finetune_batch_size": 32}  # None: follows local_lr, as in the code
+                       "finetune_lr": None, "finetune_batch_size": 32,  # None: follows local_lr, as in the code
+                       "local_epochs": None, "finetune_epochs": None, "drop_last": False}
     run(["fit", "--config", str(_config(tmp_path)), "--trainer.default_root_dir", str(tmp_path / "logs"),
          "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"])
     saved = yaml.safe_load((tmp_path / "logs" / "lightning_logs" / "version_0" / "config.yaml").read_text())
