@@ -112,9 +112,9 @@ class QSGD(Compressor):
     random: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.bits not in (2, 4, 8):
+        if not _is_int(self.bits) or self.bits not in (2, 4, 8):
             raise ValueError(f"model.compression.bits must be 2, 4 or 8 for qsgd, got {self.bits!r}")
-        if self.bucket_size is not None and not (isinstance(self.bucket_size, int) and self.bucket_size >= 1):
+        if self.bucket_size is not None and not (_is_int(self.bucket_size) and self.bucket_size >= 1):
             raise ValueError(f"model.compression.bucket_size must be a positive integer or null, got "
                              f"{self.bucket_size!r}")
 
@@ -157,6 +157,18 @@ class QSGD(Compressor):
 
     def describe(self) -> str:
         return f"qsgd{self.bits}"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fraction(value: object) -> float:
+    """``model.compression.fraction`` as a float in ``(0, 1]``; anything else (a string, a bool, NaN) is refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"model.compression.fraction must be a number in (0, 1] (the share of coordinates sent), "
+                         f"got {value!r}")
+    return float(value)
 
 
 def _kept(fraction: float, d: int) -> int:
@@ -260,8 +272,8 @@ def _upload(name: str, options: dict[str, Any]) -> Compressor | None:
     if name in ("float16", "bfloat16"):
         return HalfPrecision(torch.float16 if name == "float16" else torch.bfloat16)
     if name == "qsgd":
-        return QSGD(int(options.pop("bits", 8)), options.pop("bucket_size", 512))
-    return (TopK if name == "topk" else RandomK)(float(options.pop("fraction", 0.01)))
+        return QSGD(options.pop("bits", 8), options.pop("bucket_size", 512))
+    return (TopK if name == "topk" else RandomK)(_fraction(options.pop("fraction", 0.01)))
 
 
 def parse_compression(option: Any) -> CompressionSpec | None:
@@ -273,6 +285,9 @@ def parse_compression(option: Any) -> CompressionSpec | None:
     remember which model each client holds (clients skip rounds), which this library does not keep."""
     if option is None:
         return None
+    if not isinstance(option, str | dict):
+        raise ValueError(f"model.compression must be null, an upload name ({', '.join(COMPRESSORS)}) or a mapping "
+                         f"such as {{upload: qsgd, bits: 8}}; got {option!r}")
     options = {"upload": option} if isinstance(option, str) else dict(option)
     upload = str(options.pop("upload", "none"))
     download = str(options.pop("download", "none"))

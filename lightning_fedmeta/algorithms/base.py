@@ -48,6 +48,7 @@ __all__ = [
     "check_positive",
     "check_non_negative",
     "check_range",
+    "check_seed",
     "phase_epochs",
     "started_from",
     "weighted_mean_metrics",
@@ -172,6 +173,13 @@ def check_non_negative(name: str, value: float | int) -> None:
 def check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+
+
+def check_seed(name: str, value: int) -> None:
+    """Refuse a seed ``torch.Generator().manual_seed`` cannot take: not an integer, or outside
+    ``[-2**63, 2**64 - 1]`` (it would fail later with "Overflow when unpacking long long")."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value <= 2**64 - 1:
+        raise ValueError(f"{name} must be an integer in [-2**63, 2**64 - 1] (torch.Generator's seeds), got {value!r}")
 
 
 #: The arguments every algorithm accepts (docs/cli.md), through :class:`Algorithm`'s constructor. A

@@ -53,6 +53,7 @@ from lightning_fedmeta.algorithms.base import (
     ClientOutput,
     ClientRecord,
     check_non_negative,
+    check_seed,
 )
 from lightning_fedmeta.algorithms.clustering import one_hot, stack_perturbed
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
@@ -136,8 +137,7 @@ class FedEM(Algorithm):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
         check_non_negative("init_noise", init_noise)
-        if isinstance(init_seed, bool) or not isinstance(init_seed, int):
-            raise ValueError(f"init_seed must be an integer, got {init_seed!r}")
+        check_seed("init_seed", init_seed)
         self.num_components = num_components
         self.init_noise = init_noise
         self.init_seed = init_seed

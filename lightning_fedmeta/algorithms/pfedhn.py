@@ -56,6 +56,7 @@ from lightning_fedmeta.algorithms.base import (
     ClientOutput,
     ClientRecord,
     check_non_negative,
+    check_seed,
     started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import local_sgd
@@ -96,7 +97,7 @@ class PFedHN(Algorithm):
             the heads read the embedding directly).
         server_lr: rate of the hypernetwork step (authors: 0.01).
         embed_lr: rate of the embeddings (``None``: ``server_lr``).
-        momentum: server SGD momentum (authors: 0.9).
+        momentum: server SGD momentum in [0, 1) (authors: 0.9).
         weight_decay: server SGD weight decay (authors: 1e-3).
         clip_norm: global norm the hypernetwork gradient is clipped to (authors: 50; 0: no clipping).
         embed_init_std: standard deviation of the initial embeddings (authors: 1, ``nn.Embedding``).
@@ -134,9 +135,13 @@ class PFedHN(Algorithm):
                                   ("embed_dim", 1 if embed_dim is None else embed_dim, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
-        for label, value in (("server_lr", server_lr), ("momentum", momentum), ("weight_decay", weight_decay),
+        for label, value in (("server_lr", server_lr), ("weight_decay", weight_decay),
                              ("clip_norm", clip_norm), ("embed_init_std", embed_init_std)):
             check_non_negative(label, value)
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1) (the authors use 0.9; from 1 on the momentum buffer "
+                             f"b <- momentum*b + g never forgets old gradients), got {momentum!r}")
+        check_seed("init_seed", init_seed)
         if embed_lr is not None:
             check_non_negative("embed_lr", embed_lr)
         self.embed_dim = embed_dim

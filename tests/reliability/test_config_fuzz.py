@@ -32,8 +32,9 @@ from torch import nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import COMMON_ARGS
 from lightning_fedmeta.attacks import ATTACKS
+from lightning_fedmeta.compression import COMPRESSORS, DOWNLOADS
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.data.datamodule import DATASET_NAMES, PARTITION_NAMES, SYNTHETIC_DATASETS
+from lightning_fedmeta.data.datamodule import DATASET_NAMES, PARTITION_NAMES, SYNTHETIC_DATASETS, TEST_SPLITS
 from lightning_fedmeta.losses import LOSSES
 from lightning_fedmeta.registry import list_algorithms, load_algorithm
 from lightning_fedmeta.robust import AGGREGATORS
@@ -114,6 +115,23 @@ def _two_layers() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
+def _batch_norm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class _EveryOther:
+    """A partitioner of Flower Datasets' shape (``dataset`` attribute, ``num_partitions``, ``load_partition``):
+    partition ``i`` is every ``num_partitions``-th row from ``i``."""
+
+    def __init__(self, num_partitions: int) -> None:
+        self.num_partitions, self.dataset = num_partitions, None
+
+    def load_partition(self, partition_id: int) -> Any:
+        rows = range(len(self.dataset["label"]))
+        return self.dataset.select([i for i in rows if i % self.num_partitions == partition_id])
+
+
 # ----------------------------------------------------------------------------------------------
 # the tables
 # ----------------------------------------------------------------------------------------------
@@ -187,6 +205,23 @@ MODULE_OPTIONS: dict[str, Option] = {
         | st.fixed_dictionaries({"clip": st.just(1.0), "not_an_option": st.just(1)}),
         base={"aggregation": "uniform"},
     ),
+    "compression": Option(
+        st.none() | st.sampled_from(COMPRESSORS)
+        | st.fixed_dictionaries({"upload": st.just("qsgd"), "bits": st.sampled_from([2, 4, 8]),
+                                 "bucket_size": st.none() | st.integers(1, 64)})
+        | st.fixed_dictionaries({"upload": st.sampled_from(["topk", "randomk"]), "fraction": between(0.01, 1.0),
+                                 "download": st.sampled_from(DOWNLOADS)}),
+        text_not_in(COMPRESSORS)
+        | st.fixed_dictionaries({"download": text_not_in(DOWNLOADS)})
+        | st.fixed_dictionaries({"upload": st.just("qsgd"), "bits": st.integers().filter(lambda b: b not in (2, 4, 8))
+                                 | st.sampled_from([8.5, 4.0, "8", True])})
+        | st.fixed_dictionaries({"upload": st.just("qsgd"), "bucket_size": st.integers(max_value=0)
+                                 | st.sampled_from([True, 16.5, "all"])})
+        | st.fixed_dictionaries({"upload": st.sampled_from(["topk", "randomk"]),
+                                 "fraction": below(0.0, True) | above(1.0) | NAN | st.sampled_from(["half", True])})
+        | st.fixed_dictionaries({"upload": st.just("qsgd"), "fraction": st.just(0.1)})  # a key qsgd does not use
+        | st.sampled_from([["qsgd"], 8]),  # neither a name nor a mapping
+    ),
 }
 
 DATA_BASE: dict[str, Any] = {"dataset": "synthetic", "num_clients": 4, "eval_every": 2}
@@ -195,7 +230,8 @@ DATA_OPTIONS: dict[str, Option] = {
     "root": Option(st.none() | st.text(max_size=10), st.just("/nonexistent/fedmeta-fuzz"), base={"dataset": "mnist"},
                    errors=(FileNotFoundError,)),  # the files are missing: it names the folder and `root`
     "download": Option(st.booleans(), None, NO_INVALID_BOOL),
-    "partition": Option(st.sampled_from(list(PARTITION_NAMES)), text_not_in(PARTITION_NAMES)),
+    "partition": Option(st.sampled_from([p for p in PARTITION_NAMES if p != "flower"]),  # flower: see partitioner
+                        text_not_in(PARTITION_NAMES)),
     "num_clients": Option(st.integers(1, 6), st.integers(max_value=0)),
     "dirichlet_alpha": Option(between(0.01, 50.0), below(0.0, inclusive=True) | NAN),
     "classes_per_client": Option(st.integers(1, 10), st.integers(max_value=0)),
@@ -207,6 +243,14 @@ DATA_OPTIONS: dict[str, Option] = {
     "data_seed": Option(st.integers(0, 2**32 - 1), st.integers(max_value=-1)),
     "validation_fraction": Option(st.just(0.0) | between(0.05, 0.5), below(0.0) | above(1.0, True) | NAN),
     "eval_clients": optional(int_at_least(1, 10)),
+    "balance": Option(st.booleans(), None, NO_INVALID_BOOL),
+    "min_client_samples": optional(int_at_least(0, 50)),
+    "max_retries": int_at_least(1, 200),
+    "test_split": Option(st.sampled_from(TEST_SPLITS), text_not_in(TEST_SPLITS)),
+    "train_fraction": Option(between(0.05, 0.95), below(0.0, inclusive=True) | above(1.0, inclusive=True) | NAN),
+    "partitioner": Option(st.integers(1, 4).map(_EveryOther),  # the synthetic sets ignore the partition
+                          st.none() | st.just(object()) | st.integers() | st.just("IidPartitioner"),
+                          base={"partition": "flower"}),
 }
 
 COMMON_OPTIONS: dict[str, Option] = {
@@ -216,28 +260,53 @@ COMMON_OPTIONS: dict[str, Option] = {
     "finetune_steps": int_at_least(0, 3),
     "finetune_lr": optional(nonnegative_finite()),
     "finetune_batch_size": optional(int_at_least(1, 64)),
+    "local_epochs": optional(int_at_least(1, 3)),
+    "finetune_epochs": optional(int_at_least(1, 3)),
+    "drop_last": Option(st.booleans(), None, NO_INVALID_BOOL),
 }
 
 #: each built-in algorithm: its base hyper-parameters and model, and a row per option of its own
 ALGORITHM_BASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module]]] = {
     "fedper": ({}, _two_layers), "fedrep": ({}, _two_layers), "mtl_graph": ({"knn": 1}, tiny_linear),
+    "fedala": ({}, _two_layers), "fedbabu": ({}, _two_layers), "fedbn": ({}, _batch_norm),
+    "feddbe": ({}, _two_layers), "fedproto": ({}, _two_layers), "fedrod": ({}, _two_layers),
+    "lg_fedavg": ({}, _two_layers),
 }
 HEAD_PREFIX = Option(st.none() | st.just("2."), st.just("zzz") | st.just("") | st.just(["0.", "2."]))
+SEED64 = Option(st.integers(-(2**63), 2**64 - 1), st.integers(min_value=2**64) | st.integers(max_value=-(2**63) - 1))
+#: a phase counted in epochs (Ditto's personal_epochs, FedRep's head_epochs) needs local_epochs
+PHASE_EPOCHS = Option(st.none() | st.integers(1, 3), st.integers(max_value=0), base={"local_epochs": 1})
 ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
+    "apfl": {"alpha": Option(between(0.0, 1.0), below(0.0) | above(1.0) | NAN),
+             "adaptive": Option(st.booleans(), None, NO_INVALID_BOOL), "alpha_lr": optional(nonnegative_finite())},
     "cfl": {"eps1": Option(between(0.01, 2.0), below(0.0, True) | NAN), "eps2": Option(between(0.0, 3.0), below(0.0)
             | NAN), "max_clusters": int_at_least(1), "warmup_rounds": int_at_least(0), "min_split_size":
             int_at_least(2)},
     "ditto": {"lam": nonnegative_finite(), "personal_steps": optional(int_at_least(1)),
-              "personal_lr": optional(nonnegative_finite())},
+              "personal_lr": optional(nonnegative_finite()), "personal_epochs": PHASE_EPOCHS},
+    "fedala": {"eta": nonnegative_finite(), "ala_layers": int_at_least(1, 2), "ala_steps": int_at_least(1, 3),
+               "ala_start_steps": int_at_least(1, 3)},
+    "fedamp": {"lam": nonnegative_finite(), "alpha_k": positive_finite(), "sigma": positive_finite()},
     "fedavg": {},
+    "fedbabu": {"head_prefix": HEAD_PREFIX},
+    "fedbn": {"norm_prefix": Option(st.none() | st.just("1.") | st.just(["1"]),
+                                    st.just("zzz") | st.just("") | st.just(["zzz"]))},
+    "feddbe": {"kappa": nonnegative_finite(), "momentum": Option(between(0.01, 1.0), below(0.0, True) | above(1.0)
+                                                                 | NAN), "head_prefix": HEAD_PREFIX},
+    "fedem": {"num_components": int_at_least(1, 3), "init_noise": nonnegative_finite(), "init_seed": SEED64,
+              "em_steps": int_at_least(1, 3)},
+    "fedfomo": {"models_per_client": int_at_least(1, 5)},
     "fedmaml": {"alpha": nonnegative_finite(), "second_order": Option(st.booleans(), None, NO_INVALID_BOOL)},
     "fedper": {"head_prefix": HEAD_PREFIX},
+    "fedproto": {"lam": nonnegative_finite(), "head_prefix": HEAD_PREFIX},
     "fedprox": {"mu": nonnegative_finite()},
-    "fedrep": {"head_prefix": HEAD_PREFIX, "head_steps": int_at_least(1)},
+    "fedrep": {"head_prefix": HEAD_PREFIX, "head_steps": int_at_least(1), "head_epochs": PHASE_EPOCHS},
+    "fedrod": {"head_prefix": HEAD_PREFIX, "balanced": Option(st.booleans(), None, NO_INVALID_BOOL)},
     "ifca": {"num_clusters": int_at_least(1, 3), "init": Option(st.sampled_from(["kmeans++", "perturb"]),
              text_not_in(["kmeans++", "perturb"])), "init_noise": nonnegative_finite(),
              "init_seed": Option(st.integers(0, 2**31), None, "any integer is a seed"),
              "init_restarts": int_at_least(1), "reseed_after": int_at_least(0)},
+    "lg_fedavg": {"global_prefix": HEAD_PREFIX},
     "mocha": {"loss": Option(st.sampled_from(["hinge", "squared"]), text_not_in(["hinge", "squared"])),
               "lambda1": Option(between(0.1, 2.0), below(0.0) | NAN | st.just(math.inf)),
               "lambda2": Option(between(0.0, 2.0), below(0.0) | NAN | st.just(math.inf)),
@@ -260,6 +329,11 @@ ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
                   "alpha": nonnegative_finite(), "beta": nonnegative_finite(), "delta": positive_finite()},
     "perfedmaml": {"alpha": nonnegative_finite(), "beta": nonnegative_finite(), "lam": nonnegative_finite(),
                    "second_order": Option(st.booleans(), None, NO_INVALID_BOOL)},
+    "pfedhn": {"embed_dim": optional(int_at_least(1, 4)), "hidden_dim": int_at_least(1, 8),
+               "mlp_layers": int_at_least(0, 3), "server_lr": nonnegative_finite(), "embed_lr": optional(
+                   nonnegative_finite()), "momentum": Option(between(0.0, 0.99), below(0.0) | above(1.0, True) | NAN),
+               "weight_decay": nonnegative_finite(), "clip_norm": nonnegative_finite(),
+               "embed_init_std": nonnegative_finite(), "init_seed": SEED64},
     "reptile": {"alpha": nonnegative_finite()},
     "scaffold": {},
 }
