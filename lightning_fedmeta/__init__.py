@@ -2,7 +2,7 @@
 
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, client_records
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
-from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples
 from lightning_fedmeta.module import FederatedModule
 from lightning_fedmeta.registry import create_algorithm, list_algorithms, load_algorithm
 from lightning_fedmeta.state import ClientStateStore
@@ -24,6 +24,7 @@ __all__ = [
     "client_records",
     "create_algorithm",
     "from_client_tensors",
+    "has_samples",
     "list_algorithms",
     "load_algorithm",
     "__version__",

@@ -115,6 +115,7 @@ def test_fedrep_trains_head_with_body_fixed_then_body_with_head_fixed() -> None:
 
 def test_fedper_trains_body_and_head_jointly() -> None:
     ctx, params, batches = _ctx_params_batches()
+    batches = Batch(*(t[:3] for t in batches))  # the round's plan: local_steps = 3 batches, all walked
     alg = FedPer(local_steps=3, local_lr=0.3)
     state = map_state(lambda v: v + 0.1, alg.init_client_state(params))
     out = alg.client_update(ctx, params, batches, state, {}, one_client(seen=True))

@@ -31,7 +31,16 @@ def test_the_stop_phase_validates_with_early_stopping_and_the_final_phase_tests(
 def test_an_algorithm_refusing_local_epochs_runs_the_median_clients_epoch_of_steps(monkeypatch) -> None:
     monkeypatch.setattr(pp, "_train_counts", lambda split, phase, settings: [35, 20, 99, 400, 61])
     settings = pp.Settings()
-    assert pp.local_work("FedAvg", "pat", "final", settings) == ({"local_epochs": 1}, "1 epoch")
+    for label in ("FedAvg", "Ditto", "Per-FedAvg"):  # every built-in algorithm takes local epochs now
+        assert pp.local_work(label, "pat", "final", settings) == ({"local_epochs": 1}, "1 epoch")
+    from lightning_fedmeta.algorithms.ditto import Ditto
+    from lightning_fedmeta.algorithms.perfedavg import PerFedAvg
+
+    def refuse(self) -> None:  # as a plugin algorithm that cannot count epochs
+        raise ValueError("this algorithm refuses local_epochs")
+
+    monkeypatch.setattr(Ditto, "check_epoch_plans", refuse)
+    monkeypatch.setattr(PerFedAvg, "check_epoch_plans", refuse)
     work, label = pp.local_work("Ditto", "pat", "final", settings)
     assert work == {"local_steps": 6, "personal_steps": 6} and "local_epochs refused" in label  # ⌊61/10⌋
     work, _ = pp.local_work("Per-FedAvg", "pat", "final", settings)

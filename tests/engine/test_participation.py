@@ -265,7 +265,7 @@ def test_bad_step_budgets_are_refused_with_the_option_named(spec, message) -> No
 
 def test_budgets_are_checked_against_the_algorithm_and_the_clients() -> None:
     with pytest.raises(ValueError, match="does not support per-client budgets"):
-        FederatedModule(model=nn.Linear(5, 3), algorithm="ditto", clients_per_round=2,
+        FederatedModule(model=nn.Linear(5, 3), algorithm="mocha", clients_per_round=2,
                         local_steps_dist=[1] * 6).attach_data(tiny_data())
     with pytest.raises(ValueError, match="up to 12 local steps"):
         _linear_module(local_steps_dist={"distribution": "uniform", "low": 1, "high": 12}).attach_data(tiny_data())

@@ -40,8 +40,16 @@ data the paper uses λ = 20, ν = 0.01.
 from __future__ import annotations
 
 import torch
-from lightning_fedmeta import Algorithm, Batch, BatchPlan, ClientContext, ClientOutput, ClientRecord, Params
-from lightning_fedmeta.functional import has_samples
+from lightning_fedmeta import (
+    Algorithm,
+    Batch,
+    BatchPlan,
+    ClientContext,
+    ClientOutput,
+    ClientRecord,
+    Params,
+    has_samples,
+)
 from torch import Tensor
 
 __all__ = ["PFedMe"]
