@@ -124,16 +124,7 @@ class Reliability:
     ) -> None:
         """Refuse, before training, the combinations that are not meaningful (docs/reliability.md)."""
         name = _name(algorithm)
-        if self.budget is not None:
-            if not type(algorithm).step_budget:
-                raise ValueError(
-                    f"model.local_steps_dist: {name} does not support per-client budgets of local steps (its "
-                    "client_update does not declare step_budget = True: an empty step would still move it); "
-                    "supported: the algorithms that declare it (fedavg, fedprox, scaffold, reptile, perfedavg, ifca, "
-                    "cfl, the mtl family, fedper, ...)"
-                )
-            check_budget_with_epochs(getattr(algorithm, "local_epochs", None))
-            self.budget.check(algorithm.round_plan().steps, num_clients)
+        self._check_budget(algorithm, name, num_clients)
         delta_only = []
         if self.aggregator.name != "mean" or self.aggregator.clip is not None:
             delta_only.append(f"model.aggregator={self.aggregator.name!r}")
@@ -161,22 +152,41 @@ class Reliability:
             )
         check_aggregator(self.aggregator, num_sampled, f)
         if self.dp is not None:
-            if aggregation != "uniform":
-                raise ValueError(
-                    "model.dp bounds each client's influence by giving every client the weight 1/m (m clients per "
-                    "round); set model.aggregation: uniform (got 'samples', whose weights are unbounded)"
-                )
-            if self.aggregator.name != "mean" or self.aggregator.clip is not None:
-                raise ValueError(
-                    f"model.dp clips and averages the updates itself; remove model.aggregator (got "
-                    f"{self.aggregator.name!r}{', clip' if self.aggregator.clip is not None else ''})"
-                )
-            if self.dp.sampling == "poisson" and self.over_selection > 0:
-                raise ValueError(
-                    f"model.dp.sampling: poisson samples each client independently, so there is no cohort to "
-                    f"over-select; remove model.over_selection (got {self.over_selection!r})"
-                )
-            noise_multipliers(self.dp, num_sampled)  # refuses an impossible split of the noise (adaptive clipping)
+            self._check_dp(aggregation, num_sampled)
+
+    def _check_budget(self, algorithm: Algorithm, name: str, num_clients: int) -> None:
+        """``model.local_steps_dist`` needs an algorithm that honours empty steps, step counts, and no epochs."""
+        if self.budget is None:
+            return
+        if not type(algorithm).step_budget:
+            raise ValueError(
+                f"model.local_steps_dist: {name} does not support per-client budgets of local steps (its "
+                "client_update does not declare step_budget = True: an empty step would still move it); every "
+                "built-in algorithm but mocha declares it"
+            )
+        check_budget_with_epochs(getattr(algorithm, "local_epochs", None))
+        self.budget.check(algorithm.round_plan().steps, num_clients)
+
+    def _check_dp(self, aggregation: str, num_sampled: int) -> None:
+        """``model.dp`` needs uniform weights, no robust rule, no over-selection under Poisson sampling, and a
+        noise split adaptive clipping can make."""
+        assert self.dp is not None
+        if aggregation != "uniform":
+            raise ValueError(
+                "model.dp bounds each client's influence by giving every client the weight 1/m (m clients per "
+                "round); set model.aggregation: uniform (got 'samples', whose weights are unbounded)"
+            )
+        if self.aggregator.name != "mean" or self.aggregator.clip is not None:
+            raise ValueError(
+                f"model.dp clips and averages the updates itself; remove model.aggregator (got "
+                f"{self.aggregator.name!r}{', clip' if self.aggregator.clip is not None else ''})"
+            )
+        if self.dp.sampling == "poisson" and self.over_selection > 0:
+            raise ValueError(
+                f"model.dp.sampling: poisson samples each client independently, so there is no cohort to "
+                f"over-select; remove model.over_selection (got {self.over_selection!r})"
+            )
+        noise_multipliers(self.dp, num_sampled)  # refuses an impossible split of the noise (adaptive clipping)
 
     # ------------------------------------------------------------------------------------------
     def byzantine_clients(self, seed: int, eligible: Tensor) -> Tensor:
