@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     records = [stored[k] for k in (_key(*p, settings) for p in plan) if k in stored]
     if records:
         rows = summarise(records)
-        command = "python -m benchmarks.communication " + " ".join(argv if argv is not None else [])
+        shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"]
+        command = "python -m benchmarks.communication " + " ".join(shown)
         write_report(rows, settings, args.out, command.strip())
         plot(records, args.out)
     return 0
