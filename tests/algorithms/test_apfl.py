@@ -8,7 +8,7 @@ import torch
 from lightning_fedmeta.algorithms.apfl import APFL
 from lightning_fedmeta.algorithms.fedavg import FedAvg
 from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.testing import check_algorithm, client_record
+from lightning_fedmeta.testing import client_record
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data, tiny_module
 
@@ -23,10 +23,6 @@ def _client_batches(client: int, steps: int = 3, batch: int = 4) -> Batch:
 
 def _params(seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tanh_mlp(seed=seed).named_parameters()}
-
-
-def test_apfl_passes_the_conformance_kit() -> None:
-    check_algorithm("apfl")
 
 
 def test_apfl_alpha_zero_is_fedavg_with_held_out_clients_and_partial_participation() -> None:

@@ -11,7 +11,7 @@ from torch.func import functional_call
 from lightning_fedmeta.algorithms.fedala import FedALA
 from lightning_fedmeta.algorithms.fedavg import FedAvg
 from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.testing import check_algorithm, client_record
+from lightning_fedmeta.testing import client_record
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data, tiny_module
 
@@ -46,10 +46,6 @@ def _reference(theta: dict, local: dict, weights: dict, batches: Batch, w_steps:
         grads = torch.autograd.grad(loss, list(pt.values()))
         trained = {k: trained[k] - LR * g for k, g in zip(pt, grads, strict=True)}
     return trained, weights
-
-
-def test_fedala_passes_the_conformance_kit() -> None:
-    check_algorithm("fedala")
 
 
 @pytest.mark.parametrize(("client", "started"), [(0, 0.0), (3, 0.0), (3, 1.0)])

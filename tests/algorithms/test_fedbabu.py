@@ -9,7 +9,6 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedbabu import FedBABU
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import tiny_data
 
@@ -32,10 +31,6 @@ def _sgd(net: nn.Module, start: dict[str, torch.Tensor], x: torch.Tensor, y: tor
             for p, g in zip(params.values(), grads, strict=True):
                 p -= lr * g
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
-
-
-def test_fedbabu_passes_the_conformance_kit() -> None:
-    check_algorithm("fedbabu")
 
 
 def test_fedbabu_matches_plain_pytorch_body_training_and_whole_model_fine_tuning() -> None:

@@ -11,7 +11,6 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedbn import FedBN, normalisation_parameters
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.models import SmallCNN
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import one_client, tanh_mlp, tiny_data
 
@@ -27,10 +26,6 @@ def _module(algorithm: dict, model: nn.Module, **kwargs: object) -> FederatedMod
     module = FederatedModule(model=model, algorithm=algorithm, clients_per_round=3, seed=5, **kwargs)
     module.attach_data(tiny_data())
     return module
-
-
-def test_fedbn_passes_the_conformance_kit() -> None:
-    check_algorithm("fedbn")
 
 
 def test_fedbn_is_fedavg_on_a_model_without_normalisation_layers() -> None:

@@ -14,15 +14,10 @@ from torch import Tensor, nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.feddbe import FedDBE
 from lightning_fedmeta.sampling import sample_clients
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data
 
 ALG = {"name": "feddbe", "kappa": 3.0, "momentum": 0.5, "local_lr": 0.2, "local_steps": 3, "batch_size": 4}
-
-
-def test_feddbe_passes_check_algorithm() -> None:
-    check_algorithm("feddbe")
 
 
 def _reference_client(net: nn.Sequential, mu: Tensor, batches: tuple[Tensor, Tensor, Tensor],

@@ -16,16 +16,11 @@ from lightning_fedmeta.algorithms.fedfomo import FedFomo, first_order_combinatio
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.loop.gather import new_client_batches
 from lightning_fedmeta.sampling import sample_clients
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data
 
 ALG = {"name": "fedfomo", "models_per_client": 3, "local_lr": 0.3, "local_steps": 2, "batch_size": 4,
        "finetune_steps": 1, "finetune_lr": 0.1, "finetune_batch_size": 4}
-
-
-def test_fedfomo_passes_check_algorithm() -> None:
-    check_algorithm("fedfomo")
 
 
 def _real(x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,16 +16,11 @@ from lightning_fedmeta.algorithms.base import ClientOutput, client_records
 from lightning_fedmeta.algorithms.fedproto import FedProto
 from lightning_fedmeta.loop.gather import new_client_batches
 from lightning_fedmeta.sampling import sample_clients
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data
 
 ALG = {"name": "fedproto", "lam": 0.7, "local_lr": 0.2, "local_steps": 3, "batch_size": 4,
        "finetune_steps": 2, "finetune_lr": 0.1, "finetune_batch_size": 4}
-
-
-def test_fedproto_passes_check_algorithm() -> None:
-    check_algorithm("fedproto")
 
 
 def _reference_client(net: nn.Sequential, batches: tuple[Tensor, Tensor, Tensor], protos: dict[int, Tensor],

@@ -10,7 +10,6 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.lg_fedavg import LGFedAvg
 from lightning_fedmeta.functional import Batch, ClientContext
 from lightning_fedmeta.state import map_state
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import one_client, tiny_data
 
@@ -28,10 +27,6 @@ def _module(algorithm: dict) -> FederatedModule:
     module = FederatedModule(model=_net(), algorithm=algorithm, clients_per_round=3, seed=5, holdout_clients=1)
     module.attach_data(tiny_data())
     return module
-
-
-def test_lg_fedavg_passes_the_conformance_kit() -> None:
-    check_algorithm("lg_fedavg")
 
 
 def test_lg_fedavg_is_fedper_with_the_split_reversed() -> None:

@@ -7,16 +7,10 @@ from torch import nn
 
 from lightning_fedmeta.algorithms.base import ClientOutput, client_records
 from lightning_fedmeta.algorithms.pfedhn import PFedHN
-from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import tiny_data, tiny_module
 
 COMMON = {"local_lr": 0.2, "local_steps": 3, "batch_size": 4}
-
-
-def test_pfedhn_passes_the_plugin_kit() -> None:
-    """check_algorithm with the name alone (8 unequal clients, 3 per round, 2 held out)."""
-    check_algorithm("pfedhn")
 
 
 def test_pfedhn_identity_hypernetwork_on_a_fixed_embedding_is_fedavg() -> None:
