@@ -16,7 +16,10 @@ from torch import nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["run_clients", "choose_batching", "training_chunk_size", "ClientBatching", "BatchingError", "CPU_CONV_CHUNK"]
+__all__ = [
+    "run_clients", "ChunkReducer", "choose_batching", "training_chunk_size", "ClientBatching", "BatchingError",
+    "CPU_CONV_CHUNK",
+]
 
 ClientBatching = Literal["auto", "vmap", "loop"]
 
@@ -82,6 +85,7 @@ def run_clients(
     chunk_size: int | None = None,
     client_seeds: list[int] | None = None,
     label: str | None = None,
+    reduce: ChunkReducer | None = None,
 ) -> Any:
     """Evaluate ``fn(*shared, *per_client_i)`` for every client ``i`` and stack the results.
 
@@ -95,37 +99,64 @@ def run_clients(
         label: what ``fn`` runs, for error messages (e.g. ``"FedAvg.client_update"``). PyTorch's raw vmap
             errors (a tensor's value in Python control flow, ``.item()``, random draws) are re-raised as a
             :class:`BatchingError` naming it and the fixes, chained from the original.
+        reduce: called on each chunk's stacked output with the chunk's positions (a ``slice``); what it returns
+            is kept and stacked instead (the engine's streamed aggregate sums the chunk's weighted updates and
+            keeps the rest, so a round never holds every client's update at once). Under ``reduce`` the looped
+            path also runs in chunks of ``chunk_size``.
     """
     if num_clients == 0:
         raise ValueError("run_clients needs at least one client")
-    n_shared = len(shared)
-    if mode == "loop":
-        outs = []
-        for i in range(num_clients):
-            args = (*shared, *_select(per_client, i))
-            if client_seeds is not None:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(client_seeds[i])
-                    outs.append(fn(*args))
-            else:
-                outs.append(fn(*args))
-        return _stack(outs)
-    in_dims = (None,) * n_shared + (0,) * len(per_client)
-    batched = vmap(fn, in_dims=in_dims, randomness="error")
-    size = num_clients if chunk_size is None else max(1, chunk_size)
     label = label or getattr(fn, "__qualname__", "the client function")
+    if mode == "loop":
+        def call(sl: slice) -> Any:
+            return _loop(fn, shared, per_client, sl, client_seeds)
+        size = num_clients if reduce is None or chunk_size is None else max(1, chunk_size)
+    else:
+        batched = vmap(fn, in_dims=(None,) * len(shared) + (0,) * len(per_client), randomness="error")
+
+        def call(sl: slice) -> Any:
+            return _call_batched(batched, (*shared, *_select(per_client, sl)), label)
+        size = num_clients if chunk_size is None else max(1, chunk_size)
+    return _chunked(call, num_clients, size, reduce)
+
+
+#: what ``run_clients`` calls on each chunk's stacked output: ``reduce(output, positions)`` → the output to keep
+ChunkReducer = Callable[[Any, slice], Any]
+
+
+def _loop(fn: Callable[..., Any], shared: tuple[Any, ...], per_client: tuple[Any, ...], sl: slice,
+          client_seeds: list[int] | None) -> Any:
+    """The clients at positions ``sl`` one by one (the RNG seeded per client when ``client_seeds`` is given)."""
+    outs = []
+    for i in range(sl.start, sl.stop):
+        args = (*shared, *_select(per_client, i))
+        if client_seeds is None:
+            outs.append(fn(*args))
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(client_seeds[i])
+            outs.append(fn(*args))
+    return _stack(outs)
+
+
+def _chunked(call: Callable[[slice], Any], num_clients: int, size: int, reduce: ChunkReducer | None) -> Any:
+    """``call`` on consecutive chunks of ``size`` positions, each output passed through ``reduce`` and written into
+    outputs allocated once for all ``num_clients`` (no list of chunks to concatenate)."""
     if size >= num_clients:
-        return _call_batched(batched, (*shared, *_select(per_client, slice(0, num_clients))), label)
+        whole = slice(0, num_clients)
+        return call(whole) if reduce is None else reduce(call(whole), whole)
     leaves: list[torch.Tensor] = []
     spec = None
     for start in range(0, num_clients, size):
         sl = slice(start, min(start + size, num_clients))
-        chunk, chunk_spec = tree_flatten(_call_batched(batched, (*shared, *_select(per_client, sl)), label))
-        if spec is None:  # the outputs of all clients, filled chunk by chunk: no list of chunks to concatenate
+        out = call(sl)
+        chunk, chunk_spec = tree_flatten(out if reduce is None else reduce(out, sl))
+        del out
+        if spec is None:
             spec = chunk_spec
             leaves = [torch.empty((num_clients, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in chunk]
-        for out, t in zip(leaves, chunk, strict=True):
-            out[sl].copy_(t)
+        for kept, t in zip(leaves, chunk, strict=True):
+            kept[sl].copy_(t)
         del chunk
     return tree_unflatten(leaves, spec)
 

@@ -61,6 +61,7 @@ from lightning_fedmeta.loop.statistics import (
     published_statistics_rows,
     published_statistics_size,
 )
+from lightning_fedmeta.loop.streaming import DeltaSum, streams
 from lightning_fedmeta.participation import mask_missing_steps
 from lightning_fedmeta.sampling import plan_steps, stable_seed
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
@@ -113,6 +114,9 @@ class RoundEngine:
         #: under ``local_epochs``, run the round's clients in groups of similar step counts (False: one group,
         #: every client padded to the round's longest; the numbers are the same, only the padding differs)
         self.step_grouping = True
+        #: stream the aggregate of rounds whose rule is the default weighted mean (:mod:`~lightning_fedmeta.loop.
+        #: streaming`): each chunk's weighted updates are summed as it is computed (False: every update stacked)
+        self.stream_aggregate = True
 
     @property
     def seed(self) -> int:
@@ -215,9 +219,10 @@ class RoundEngine:
             assert self.data is not None and self.data.num_classes is not None
             batches.y[flipped] = flip_labels(batches.y[flipped], int(self.data.num_classes))
 
-    def compute(self, round_idx: int) -> RoundResult | None:
+    def compute(self, round_idx: int, stream: bool = False) -> RoundResult | None:
         """Phases 1–3: the round's clients run their local procedures (all ranks combined); ``None`` when no
-        sampled client answers.
+        sampled client answers. With ``stream`` (:meth:`streams_round`) the updates are summed chunk by chunk
+        (:class:`~lightning_fedmeta.loop.streaming.DeltaSum`) and the result holds ``Σ w_i Δ_i`` as one row.
 
         Under ``local_epochs`` the clients take different numbers of steps ``s_c``: they run in groups of similar
         ``s_c`` (:func:`~lightning_fedmeta.loop.grouping.step_groups`; one group when :attr:`step_grouping` is
@@ -236,18 +241,41 @@ class RoundEngine:
         else:
             groups = step_groups(local_steps, GROUP_RATIO if self.step_grouping else 0.0)
         self.compile.for_training()
-        parts = [self._run_group(round_idx, local[g], local_steps[g], plan) for g in groups]
+        weights = self.federation.weights(sampled, self.device)
+        summed = DeltaSum(weights, lambda at, chunk: self._check_chunk(round_idx, sampled[at], chunk)) \
+            if stream else None
+        parts = [self._run_group(round_idx, local[g], local_steps[g], plan,
+                                 None if summed is None else summed.for_positions(g)) for g in groups]
         out, buffers = parts[0] if len(parts) == 1 else regroup(parts, groups)
         out, buffers = self.ranks.combine((out, buffers), positions, sampled.numel())
-        if "client_update" not in self.validated:  # once: later rounds cost nothing
-            validate_client_output(self.algorithm, out, self.global_params(), self.client_states.tensors,
-                                   sampled.numel(), strict_dtypes=not torch.is_autocast_enabled(self.device.type))
-            self.validated.add("client_update")
+        if summed is not None:
+            out = summed.output(out)
+        elif "client_update" not in self.validated:  # once: later rounds cost nothing
+            self._validate(out, sampled.numel())
         out, residual = self.compression.compress(out, sampled, self.seed, round_idx, self.batching)
-        result = RoundResult(round_idx, sampled, out, self.federation.weights(sampled, self.device), steps, buffers,
-                             residual)
+        result = RoundResult(round_idx, sampled, out, weights, steps, buffers, residual, delta_summed=stream)
         self._last = result
         return result
+
+    def _validate(self, out: ClientOutput, num_clients: int) -> None:
+        """The client-output contract, checked on the first output of a run (later rounds cost nothing)."""
+        validate_client_output(self.algorithm, out, self.global_params(), self.client_states.tensors, num_clients,
+                               strict_dtypes=not torch.is_autocast_enabled(self.device.type))
+        self.validated.add("client_update")
+
+    def _check_chunk(self, round_idx: int, clients: Tensor, out: ClientOutput) -> None:
+        """A streamed chunk's outputs, before its updates are summed: the contract (first chunk of a run) and
+        finiteness, naming the client, as the stacked path checks them."""
+        if "client_update" not in self.validated:
+            self._validate(out, clients.numel())
+        assert self.data is not None
+        check_outputs_finite(RoundResult(round_idx, clients, out, torch.zeros(0), torch.zeros(0)),
+                             self.data.client_names, self.algorithm)
+
+    def streams_round(self) -> bool:
+        """Whether :meth:`run_round` streams the aggregate (:attr:`stream_aggregate` and
+        :func:`~lightning_fedmeta.loop.streaming.streams`)."""
+        return self.stream_aggregate and streams(self.algorithm, self.pipeline, self.compression, self.ranks)
 
     def round_steps(self, round_idx: int, clients: Tensor, plan: BatchPlan) -> Tensor:
         """``s_c``, the local steps each listed client takes this round: ``E·⌈n_c/B⌉`` under ``local_epochs``
@@ -258,10 +286,12 @@ class RoundEngine:
             return plan_steps(counts, plan)
         return self.federation.round_steps(round_idx, clients, plan.steps)
 
-    def _run_group(self, round_idx: int, clients: Tensor, steps: Tensor, plan: BatchPlan) -> Any:
+    def _run_group(self, round_idx: int, clients: Tensor, steps: Tensor, plan: BatchPlan,
+                   reduce: Callable[[Any, slice], Any] | None = None) -> Any:
         """``client_update`` of the listed clients, looped or batched (chunks of :attr:`client_chunk_size`):
         their batches (steps beyond a straggler's budget emptied), poisoned labels, states, records and BN
-        statistics. Returns ``(outputs, buffers)`` stacked in the order of ``clients``."""
+        statistics. Returns ``(outputs, buffers)`` stacked in the order of ``clients`` (each chunk's outputs
+        passed through ``reduce`` first, when given)."""
         batches = self.gatherer.batches("train", round_idx, clients, plan)
         if self.reliability.budget is not None:  # stragglers: their steps beyond the budget see empty batches
             mask_missing_steps(batches.mask, steps)
@@ -273,6 +303,7 @@ class RoundEngine:
             (batches, states, self.records(clients), self.starting_buffers(clients)),
             clients.numel(), self.batching, self.training_chunk, seeds,
             label=f"{type(self.algorithm).__name__}.client_update",
+            reduce=None if reduce is None else (lambda pair, chunk: (reduce(pair[0], chunk), pair[1])),
         )
 
     def use_secret(self, key: bytes | None) -> None:
@@ -300,7 +331,9 @@ class RoundEngine:
         if result.buffers and self.pipeline.statistics == "pipeline":
             assert self.model is not None
             statistics = published_statistics_rows(result.buffers, self.model)
-        uploads = self.pipeline.run(Uploads(result.output, result.weights, statistics=statistics), ctx)
+        # a streamed round's output holds Σ w_i Δ_i as one row: the default aggregate of it with weight 1 is itself
+        weights = torch.ones(1, device=result.weights.device) if result.delta_summed else result.weights
+        uploads = self.pipeline.run(Uploads(result.output, weights, statistics=statistics), ctx)
         if uploads is not None and "aggregate" not in self.validated:  # once: later rounds cost nothing
             assert uploads.update is not None
             validate_aggregate_output(self.algorithm, (uploads.update.delta, uploads.update.server_state),
@@ -345,7 +378,7 @@ class RoundEngine:
         assert self.model is not None and self.data is not None
         deciding = self.compile.deciding(self.batching)
         started = time.perf_counter()
-        result = self.compute(round_idx)
+        result = self.compute(round_idx, stream=self.streams_round())
         traffic = self.count_traffic(round_idx, result)
         if result is None and self.reliability.dp is not None:
             return replace(self._noise_only(round_idx, optimizer, clip), traffic=traffic)
@@ -354,7 +387,8 @@ class RoundEngine:
                            traffic=traffic)
         if deciding:
             self.compile.observe(rounds_left, time.perf_counter() - started, broadcast)
-        check_outputs_finite(result, self.data.client_names, self.algorithm)
+        if not result.delta_summed:  # a streamed round checked each chunk before summing it
+            check_outputs_finite(result, self.data.client_names, self.algorithm)
         uploads = self.combine(result, math.inf if clip is None else float(clip))
         if uploads is None:
             rule, f = self.reliability.aggregator, self.reliability.assumed_byzantine(self.federation.num_sampled)

@@ -30,6 +30,8 @@ class RoundResult:
         steps: ``τ_i``, the local steps each took.
         buffers: their BatchNorm running statistics after the round (``{}`` without BatchNorm).
         residual: their new top-k residuals (``model.compression`` with error feedback), else ``None``.
+        delta_summed: ``output.delta`` holds the round's aggregate ``Σ_i w_i Δ_i`` as one row instead of every
+            client's update (a streamed round, :mod:`~lightning_fedmeta.loop.streaming`).
     """
 
     round_idx: int
@@ -39,6 +41,7 @@ class RoundResult:
     steps: Tensor
     buffers: dict[str, Tensor] = field(default_factory=dict)
     residual: dict[str, Tensor] | None = None
+    delta_summed: bool = False
 
     def __iter__(self) -> Iterator[Any]:
         """``clients, output, weights = result`` (the tuple ``FederatedModule.compute_round`` always returned)."""
