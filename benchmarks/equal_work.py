@@ -111,10 +111,11 @@ LR_SWEEP = [0.01, 0.03, 0.1]
 #: the issue-27 rows' local-rate sweep: one step up from LR_SWEEP, whose winner was 0.1 (or its extension) for most
 #: of the earlier rows, so that the usual winner sits inside the sweep rather than at its edge
 PFL_LR_SWEEP = [0.03, 0.1, 0.3]
-#: FedBN's network: the MLP has no normalisation layer (FedBN on it is FedAvg), so FedBN runs on configs/fedbn.yaml's
-#: SmallCNN with BatchNorm, and its row is not on the same model as the others
-SMALL_CNN_BN = {"class_path": "lightning_fedmeta.models.SmallCNN",
-                "init_args": {"in_channels": 1, "num_classes": 10, "width": 16, "image_size": 28, "norm": "batch"}}
+#: FedBN's network: the MLP has no normalisation layer (FedBN on it is FedAvg), so FedBN runs on the same MLP with a
+#: BatchNorm1d after each hidden layer (280 more parameters, the same cost), next to FedAvg + FT on that network as
+#: its control (``fedavg_ft_bn_w16``): FedBN's row compares with the control, not with the MLP rows
+MLP_BN = {"class_path": "lightning_fedmeta.models.MLP",
+          "init_args": {**MLP["init_args"], "norm": "batch"}}
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,13 @@ def _pfl_entries() -> list[Entry]:
     each swept over its local rate (:data:`PFL_LR_SWEEP`) with its strength fixed at its config's value."""
     b, lr = {"batch_size": BATCH}, _lr(values=PFL_LR_SWEEP)
     return [
-        Entry("fedbn_w16", "FedBN (SmallCNN + BatchNorm, not the MLP)", {"name": "fedbn", "local_steps": 16, **b}, lr,
-              network=SMALL_CNN_BN, evaluation="shared weights + the client's own BatchNorm γ, β and statistics"),
+        Entry("fedbn_w16", "FedBN (MLP + BatchNorm: compare with the next row)",
+              {"name": "fedbn", "local_steps": 16, **b}, lr,
+              network=MLP_BN, evaluation="shared weights + the client's own BatchNorm γ, β and statistics"),
+        Entry("fedavg_ft_bn_w16", "FedAvg + 1 FT step (MLP + BatchNorm: FedBN's control)",
+              {"name": "fedavg", "local_steps": 16, **b, "finetune_steps": 1, "finetune_batch_size": BATCH},
+              _lr(values=PFL_LR_SWEEP, also=("algorithm.finetune_lr",)), network=MLP_BN,
+              evaluation="1 SGD step at the local rate, the client's own BatchNorm statistics"),
         Entry("lg_fedavg_w16", "LG-FedAvg (global top 2 layers)",
               {"name": "lg_fedavg", "global_prefix": ["net.3", "net.5"], "local_steps": 16, **b}, lr,
               evaluation="the client's local first layer + global top layers"),

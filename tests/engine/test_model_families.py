@@ -318,3 +318,18 @@ def test_mlp_elu_is_nn_elu_eagerly_and_to_float32_rounding_when_compiled() -> No
         torch.testing.assert_close(xa.grad, xb.grad, atol=1e-7, rtol=1e-6)
         assert torch.isfinite(xa.grad).all()
     assert isinstance(MLP(4, [3], 2, "elu").net[2], nn.ELU)  # still an nn.ELU for isinstance checks
+
+
+def test_the_mlp_with_batchnorm() -> None:
+    """``MLP(norm="batch")``: a BatchNorm1d after each hidden Linear (280 more parameters on the paper's MLP), the
+    plain MLP's names otherwise; FedBN keeps those BatchNorm layers on the client; other values are refused."""
+    from lightning_fedmeta.algorithms.fedbn import normalisation_parameters
+
+    plain, normed = MLP(), MLP(norm="batch")
+    assert sum(p.numel() for p in normed.parameters()) - sum(p.numel() for p in plain.parameters()) == 2 * (80 + 60)
+    assert [type(m) for m in normed.net] == [nn.Flatten, nn.Linear, nn.BatchNorm1d, type(plain.net[2]), nn.Linear,
+                                             nn.BatchNorm1d, type(plain.net[4]), nn.Linear]
+    assert sum(isinstance(m, nn.BatchNorm1d) for m in normed.modules()) == 2
+    assert sorted(normalisation_parameters(normed)) == ["net.2.bias", "net.2.weight", "net.5.bias", "net.5.weight"]
+    with pytest.raises(ValueError, match="norm must be null"):
+        MLP(norm="layer")
