@@ -19,13 +19,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import (
-    Algorithm,
     BatchPlan,
     ClientOutput,
     ClientRecord,
+    PersonalModel,
     check_non_negative,
     phase_epochs,
-    started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
@@ -34,7 +33,7 @@ from lightning_fedmeta.sampling import phase_lengths
 __all__ = ["Ditto"]
 
 
-class Ditto(Algorithm):
+class Ditto(PersonalModel):
     """FedAvg for the global model plus a personal model per client pulled towards it.
 
     Args:
@@ -95,10 +94,6 @@ class Ditto(Algorithm):
                              epochs=(self.local_epochs, self.personal_epochs), drop_last=self.drop_last)
         return BatchPlan(steps=self.local_steps + self.personal_steps, per_step=1, batch_size=self.batch_size)
 
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """The personal model ``v_k``, initially a copy of the global parameters."""
-        return {"personal": {k: v.detach().clone() for k, v in params.items()}}
-
     def client_update(
         self,
         ctx: ClientContext,
@@ -111,7 +106,7 @@ class Ditto(Algorithm):
         tau, s = phase_lengths(batches.x.shape[0], self.round_plan()) if self.local_epochs else (
             self.local_steps, self.personal_steps)
         w_local, loss = prox_sgd(ctx, params, batches, self.local_lr, 0.0, params, 0, tau)
-        v = started_from(client, state["personal"], params)
+        v = self.personal_start(params, state, server_state, client)
         v_new, personal_loss = prox_sgd(ctx, v, batches, self.personal_lr, self.lam, params, tau, s)
         return ClientOutput(
             delta=tree_sub(w_local, params),
@@ -119,9 +114,3 @@ class Ditto(Algorithm):
             extras={},
             metrics={"loss": loss, "personal_loss": personal_loss},
         )
-
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """Client ``k`` is evaluated with its personal model ``v_k`` (the global model until it has trained)."""
-        return started_from(client, state["personal"], params)

@@ -46,7 +46,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, started_from
+from lightning_fedmeta.algorithms.base import BatchPlan, ClientOutput, ClientRecord, PersonalModel
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
 
@@ -81,7 +81,7 @@ def first_order_combination(
     return combined, w
 
 
-class FedFomo(Algorithm):
+class FedFomo(PersonalModel):
     """Each client combines the stored models of its M closest peers, weighted by their validation improvement.
 
     Args:
@@ -148,10 +148,6 @@ class FedFomo(Algorithm):
             AFFINITY: torch.eye(k, dtype=first.dtype, device=first.device),
         }
 
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """θ_i, a copy of θ⁰ (read only once the client has trained)."""
-        return {PERSONAL: {k: v.detach().clone() for k, v in params.items()}}
-
     # -- client -------------------------------------------------------------------------------
     def client_update(
         self,
@@ -216,12 +212,6 @@ class FedFomo(Algorithm):
         return tree_zeros_like(params), new_state
 
     # -- evaluation ---------------------------------------------------------------------------
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """θ_i for a client that has trained; θ⁰ otherwise."""
-        return started_from(client, state[PERSONAL], params)
-
     def personalize(
         self,
         ctx: ClientContext,

@@ -47,13 +47,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from lightning_fedmeta.algorithms.base import (
-    Algorithm,
-    ClientOutput,
-    ClientRecord,
-    check_non_negative,
-    started_from,
-)
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
 from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
@@ -65,7 +59,7 @@ PROTOTYPES = "prototypes"
 KNOWN = "known"
 
 
-class FedProto(Algorithm):
+class FedProto(PersonalModel):
     """Local models regularised towards class prototypes averaged by the server; no parameters are aggregated.
 
     Args:
@@ -124,10 +118,6 @@ class FedProto(Algorithm):
         like = {"dtype": weight.dtype, "device": weight.device}
         return {PROTOTYPES: torch.zeros(weight.shape[0], weight.shape[1], **like),
                 KNOWN: torch.zeros(weight.shape[0], **like)}
-
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """θ_i, a copy of the initial parameters (read only once the client has trained)."""
-        return {PERSONAL: {k: v.detach().clone() for k, v in params.items()}}
 
     # -- client -------------------------------------------------------------------------------
     def local_loss(
@@ -215,12 +205,6 @@ class FedProto(Algorithm):
         return tree_zeros_like(params), new_state
 
     # -- evaluation ---------------------------------------------------------------------------
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """θ_i for a client that has trained; θ⁰ (the never-aggregated global parameters) otherwise."""
-        return started_from(client, state[PERSONAL], params)
-
     def personalize(
         self,
         ctx: ClientContext,
