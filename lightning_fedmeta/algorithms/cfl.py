@@ -77,14 +77,9 @@ class CFL(ClusteredAlgorithm):
         max_clusters: int = 8,
         warmup_rounds: int = 20,
         min_split_size: int = 2,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(finetune_batch_size=finetune_batch_size)
         if not eps1 > 0:
             raise ValueError(f"eps1 must be > 0, got {eps1!r}")
         check_non_negative("eps2", eps2)

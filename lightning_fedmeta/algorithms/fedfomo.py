@@ -101,14 +101,8 @@ class FedFomo(PersonalModel):
     def __init__(
         self,
         models_per_client: int = 5,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         if not isinstance(models_per_client, int) or models_per_client < 1:
             raise ValueError(f"models_per_client must be an integer >= 1, got {models_per_client!r}")
         self.models_per_client = models_per_client

@@ -41,8 +41,6 @@ evaluation-time steps of the same objective. All are used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 from torch.func import grad_and_value
@@ -50,6 +48,7 @@ from torch.func import grad_and_value
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
 from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
+from lightning_fedmeta.algorithms.shared_representation import check_head_prefix
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["FedProto"]
@@ -82,17 +81,10 @@ class FedProto(PersonalModel):
         self,
         lam: float = 1.0,
         head_prefix: str | list[str] | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("lam", lam)
-        if head_prefix is not None and not isinstance(head_prefix, str | Sequence):
-            raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+        check_head_prefix(head_prefix)
         self.lam = lam
         self.head_prefix = head_prefix
         self._num_classes: int | None = None

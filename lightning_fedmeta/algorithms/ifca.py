@@ -96,11 +96,6 @@ class IFCA(ClusteredAlgorithm):
     def __init__(
         self,
         num_clusters: int = 2,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
         init: str = "kmeans++",
         init_noise: float = 1.0,
@@ -108,7 +103,7 @@ class IFCA(ClusteredAlgorithm):
         init_restarts: int = 10,
         reseed_after: int = 0,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(finetune_batch_size=finetune_batch_size)
         if isinstance(num_clusters, bool) or not isinstance(num_clusters, int) or num_clusters < 1:
             raise ValueError(f"num_clusters must be an integer >= 1, got {num_clusters!r}")
         if init not in INITS:

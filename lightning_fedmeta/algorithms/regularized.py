@@ -87,14 +87,8 @@ class RegularizedMTL(PersonalModel):
     def __init__(
         self,
         lam: float = 0.1,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("lam", lam)
         self.lam = lam
         self._num_clients: int | None = None
