@@ -67,23 +67,17 @@ class Ditto(PersonalModel):
         lam: float = 0.1,
         personal_steps: int | None = None,
         personal_lr: float | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
         personal_epochs: int | None = None,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("lam", lam)
         if personal_steps is not None and (not isinstance(personal_steps, int) or personal_steps < 1):
             raise ValueError(f"personal_steps must be an integer >= 1 (or None = local_steps), got {personal_steps!r}")
         if personal_lr is not None:
             check_non_negative("personal_lr", personal_lr)
         self.lam = lam
-        self.personal_steps = local_steps if personal_steps is None else personal_steps
-        self.personal_lr = local_lr if personal_lr is None else personal_lr
+        self.personal_steps = self.local_steps if personal_steps is None else personal_steps
+        self.personal_lr = self.local_lr if personal_lr is None else personal_lr
         self.personal_epochs = phase_epochs("personal_epochs", personal_epochs, self.local_epochs, "personal_steps")
 
     def round_plan(self) -> BatchPlan:
