@@ -37,7 +37,7 @@ from lightning_fedmeta.algorithms.base import (
     PersonalModel,
     check_non_negative,
 )
-from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, maml_plan, split_support_query
+from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, maml_plan, meta_rates, split_support_query
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
@@ -86,13 +86,9 @@ class PerFedMAML(PersonalModel):
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
     ) -> None:
-        check_non_negative("alpha", alpha)
-        check_non_negative("beta", beta)
+        finetune_lr = meta_rates(alpha, finetune_lr, beta=beta)
         check_non_negative("lam", lam)
-        super().__init__(
-            local_steps, beta, batch_size, finetune_steps, alpha if finetune_lr is None else finetune_lr,
-            finetune_batch_size,
-        )
+        super().__init__(local_steps, beta, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
         self.alpha = alpha
         self.beta = beta
         self.lam = lam
