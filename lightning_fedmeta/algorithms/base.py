@@ -46,6 +46,7 @@ __all__ = [
     "ClientRecord",
     "PersonalModel",
     "client_records",
+    "check_integer",
     "check_positive",
     "check_non_negative",
     "check_range",
@@ -174,6 +175,12 @@ def check_non_negative(name: str, value: float | int) -> None:
 def check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+
+
+def check_integer(name: str, value: int, low: int) -> None:
+    """Refuse a ``value`` that is not an integer ``>= low`` (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def check_seed(name: str, value: int) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_integer, check_non_negative
 from lightning_fedmeta.algorithms.clustering import (
     CLUSTER,
     ClusteredAlgorithm,
@@ -85,8 +85,7 @@ class CFL(ClusteredAlgorithm):
         check_non_negative("eps2", eps2)
         for name, value, low in (("max_clusters", max_clusters, 1), ("warmup_rounds", warmup_rounds, 0),
                                  ("min_split_size", min_split_size, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_integer(name, value, low)
         self.eps1 = eps1
         self.eps2 = eps2
         self.max_clusters = max_clusters

@@ -52,6 +52,7 @@ from lightning_fedmeta.algorithms.base import (
     BatchPlan,
     ClientOutput,
     ClientRecord,
+    check_integer,
     check_non_negative,
     check_seed,
 )
@@ -128,8 +129,7 @@ class FedEM(Algorithm):
     ) -> None:
         super().__init__()
         for label, value in (("num_components", num_components), ("em_steps", em_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+            check_integer(label, value, 1)
         check_non_negative("init_noise", init_noise)
         check_seed("init_seed", init_seed)
         self.num_components = num_components

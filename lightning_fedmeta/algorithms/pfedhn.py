@@ -55,6 +55,7 @@ from lightning_fedmeta.algorithms.base import (
     Algorithm,
     ClientOutput,
     ClientRecord,
+    check_integer,
     check_non_negative,
     check_seed,
     started_from,
@@ -127,8 +128,7 @@ class PFedHN(Algorithm):
         super().__init__()
         for label, value, low in (("hidden_dim", hidden_dim, 1), ("mlp_layers", mlp_layers, 0),
                                   ("embed_dim", 1 if embed_dim is None else embed_dim, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
+            check_integer(label, value, low)
         for label, value in (("server_lr", server_lr), ("weight_decay", weight_decay),
                              ("clip_norm", clip_norm), ("embed_init_std", embed_init_std)):
             check_non_negative(label, value)
