@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import multiprocessing
@@ -53,11 +54,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_check import (  # noqa: E402
+    RandomImages,
     check_equivalence,
     environment,
     error,
     fit,
     fmt,
+    run_check,
     small_mlp,
     synthetic_dm,
     val_summary,
@@ -99,21 +102,6 @@ PRECISION_ALGORITHMS = [
     ("Per-FedAvg HF", {"name": "perfedavg", "variant": "hf", "alpha": 0.01, "beta": 0.01}),
     ("Ditto", {"name": "ditto", "lam": 0.1}),
 ]
-
-
-class RandomImages:
-    """In-memory random data (FederatedDataset protocol): ``num_clients`` equal clients of ``shape`` inputs."""
-
-    def __init__(self, num_clients: int, shape: tuple[int, ...], num_classes: int, train: int, test: int = 4,
-                 seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.num_classes = num_classes
-        x = torch.rand(num_clients, train + test, *shape, generator=g)
-        y = torch.randint(0, num_classes, (num_clients, train + test), generator=g)
-        self.clients = [(x[c, :train], y[c, :train], x[c, train:], y[c, train:]) for c in range(num_clients)]
-
-    def client_data(self) -> list[tuple[torch.Tensor, ...]]:
-        return self.clients
 
 
 class UtilisationSampler:
@@ -279,6 +267,21 @@ def check_speed(device: str, names: list[str], quick: bool, clients_list: list[i
     return rows
 
 
+def _precision_row(row: dict[str, Any], device: str, spec: dict[str, Any], precision: str, rounds: int,
+                   num_clients: int, per_round: int) -> None:
+    """One algorithm at one precision: its final loss, whether everything stayed finite, and its accuracy."""
+    L.seed_everything(0, verbose=False)
+    module, t, timer = fit(device, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds,
+                           per_round, "vmap", precision=precision)
+    assert module.model is not None
+    val = val_summary(t)
+    key = next((k for k in val if k.endswith("acc_weighted")), None)
+    row.update(final_loss=timer.losses[-1] if timer.losses else None,
+               finite=bool(timer.losses) and all(math.isfinite(x) for x in timer.losses)
+               and all(bool(torch.isfinite(p).all()) for p in module.model.parameters()),
+               accuracy=val.get(key) if key else None)
+
+
 def check_precisions(device: str, rounds: int, num_clients: int, per_round: int) -> list[dict[str, Any]]:
     """Each algorithm of :data:`PRECISION_ALGORITHMS` at 32-true, bf16-mixed and 16-mixed (the last two on CUDA)."""
     rows = []
@@ -286,23 +289,9 @@ def check_precisions(device: str, rounds: int, num_clients: int, per_round: int)
     for label, spec in PRECISION_ALGORITHMS:
         for precision in precisions:
             row: dict[str, Any] = {"algorithm": label, "precision": precision, "rounds": rounds}
-            t0 = time.perf_counter()
-            try:
-                L.seed_everything(0, verbose=False)
-                module, t, timer = fit(device, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds,
-                                       per_round, "vmap", precision=precision)
-                assert module.model is not None
-                val = val_summary(t)
-                key = next((k for k in val if k.endswith("acc_weighted")), None)
-                row.update(final_loss=timer.losses[-1] if timer.losses else None,
-                           finite=bool(timer.losses) and all(math.isfinite(x) for x in timer.losses)
-                           and all(bool(torch.isfinite(p).all()) for p in module.model.parameters()),
-                           accuracy=val.get(key) if key else None)
-            except Exception as exc:  # noqa: BLE001
-                row.update(error(exc))
-            row["seconds"] = round(time.perf_counter() - t0, 2)
-            print(f"[precision] {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
-            rows.append(row)
+            fill = functools.partial(_precision_row, device=device, spec=spec, precision=precision, rounds=rounds,
+                                     num_clients=num_clients, per_round=per_round)
+            rows.append(run_check("[precision]", row, fill, flag_errors=False))
     if device != "cuda":
         rows.append({"skipped": "bf16-mixed and 16-mixed are CUDA checks: skipped on the CPU"})
     return rows

@@ -24,6 +24,7 @@ Writes ``OUTDIR/gpu_check.json`` (after every section, so a killed run still lea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +73,29 @@ def w_mlp() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(a, b), nn.ELU(), nn.Linear(b, c), nn.ELU(), nn.Linear(c, d))
 
 
-class RandomW:
-    """In-memory data of W's shapes (FederatedDataset protocol): 1x28x28 inputs, 10 classes, equal clients."""
+class RandomImages:
+    """In-memory random data (FederatedDataset protocol): ``num_clients`` equal clients of ``shape`` inputs
+    (uniform in [0, 1)) and uniform labels, ``train`` training and ``test`` test rows each.
 
-    num_classes = NUM_CLASSES
+    ``per_client=True`` draws each client's four tensors in turn (the W check's data, gpu_check.py), else every
+    client's inputs at once and then their labels (gpu.py's workloads); the same seed gives different numbers in
+    the two orders, and each benchmark keeps the order its recorded results were drawn in.
+    """
 
-    def __init__(self, num_clients: int = 100, train: int = 60, test: int = 20, seed: int = 0) -> None:
+    def __init__(self, num_clients: int, shape: tuple[int, ...], num_classes: int, train: int, test: int = 4,
+                 seed: int = 0, per_client: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.clients = [
-            (torch.rand(train, 1, 28, 28, generator=g), torch.randint(0, 10, (train,), generator=g),
-             torch.rand(test, 1, 28, 28, generator=g), torch.randint(0, 10, (test,), generator=g))
-            for _ in range(num_clients)
-        ]
+        self.num_classes = num_classes
+        if per_client:
+            self.clients = [
+                (torch.rand(train, *shape, generator=g), torch.randint(0, num_classes, (train,), generator=g),
+                 torch.rand(test, *shape, generator=g), torch.randint(0, num_classes, (test,), generator=g))
+                for _ in range(num_clients)
+            ]
+            return
+        x = torch.rand(num_clients, train + test, *shape, generator=g)
+        y = torch.randint(0, num_classes, (num_clients, train + test), generator=g)
+        self.clients = [(x[c, :train], y[c, :train], x[c, train:], y[c, train:]) for c in range(num_clients)]
 
     def client_data(self) -> list[tuple[torch.Tensor, ...]]:
         return self.clients
@@ -164,33 +177,50 @@ def error(exc: BaseException) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------
 # sections
 # ------------------------------------------------------------------------------------------------
+def run_check(tag: str, row: dict[str, Any], fill: Callable[[dict[str, Any]], None],
+              flag_errors: bool = True) -> dict[str, Any]:
+    """``row`` after ``fill(row)`` has measured and written its results into it: an exception is recorded in the row
+    instead (``error``, ``traceback``, and ``flag`` when ``flag_errors``) so the other checks go on. Adds the
+    ``seconds`` it took and prints the row (less its traceback) after ``tag``."""
+    t0 = time.perf_counter()
+    try:
+        fill(row)
+    except Exception as exc:  # noqa: BLE001 - recorded, the other checks go on
+        row.update(error(exc))
+        if flag_errors:
+            row["flag"] = True
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    print(f"{tag} {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
+    return row
+
+
+def _equivalence_row(row: dict[str, Any], device: str, spec: dict[str, Any], rounds: int, num_clients: int,
+                     per_round: int) -> None:
+    """One algorithm looped and under vmap on ``device``: the differences of their parameters and scores."""
+    runs = {}
+    for batching in ("loop", "vmap"):
+        L.seed_everything(0, verbose=False)
+        module, t, _ = fit(device, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds, per_round,
+                           batching)
+        assert module.model is not None
+        params = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+        runs[batching] = (params, val_summary(t))
+    row["params"] = diff(runs["loop"][0], runs["vmap"][0])
+    row["val"] = diff(runs["loop"][1], runs["vmap"][1])
+    row["val_loop"], row["val_vmap"] = runs["loop"][1], runs["vmap"][1]
+    row["params_finite"] = all(bool(torch.isfinite(v).all()) for p in runs.values() for v in p[0].values())
+    row["flag"] = (row["params"]["rel"] > REL_TOL or row["val"]["rel"] > REL_TOL or not row["params_finite"]
+                   or bool(row["val"]["missing"]) or not runs["loop"][1])
+
+
 def check_equivalence(device: str, rounds: int, num_clients: int, per_round: int) -> list[dict[str, Any]]:
     rows = []
     for label, spec in EQUIVALENCE:
         row: dict[str, Any] = {"algorithm": label, "spec": spec, "rounds": rounds, "num_clients": num_clients,
                                "clients_per_round": per_round}
-        t0 = time.perf_counter()
-        try:
-            runs = {}
-            for batching in ("loop", "vmap"):
-                L.seed_everything(0, verbose=False)
-                module, t, _ = fit(device, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds, per_round,
-                                   batching)
-                assert module.model is not None
-                params = {k: v.detach().clone() for k, v in module.model.named_parameters()}
-                runs[batching] = (params, val_summary(t))
-            row["params"] = diff(runs["loop"][0], runs["vmap"][0])
-            row["val"] = diff(runs["loop"][1], runs["vmap"][1])
-            row["val_loop"], row["val_vmap"] = runs["loop"][1], runs["vmap"][1]
-            row["params_finite"] = all(bool(torch.isfinite(v).all()) for p in runs.values() for v in p[0].values())
-            row["flag"] = (row["params"]["rel"] > REL_TOL or row["val"]["rel"] > REL_TOL or not row["params_finite"]
-                           or bool(row["val"]["missing"]) or not runs["loop"][1])
-        except Exception as exc:  # noqa: BLE001 - recorded, the other checks go on
-            row.update(error(exc))
-            row["flag"] = True
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        print(f"[equivalence] {label}: {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
-        rows.append(row)
+        fill = functools.partial(_equivalence_row, device=device, spec=spec, rounds=rounds, num_clients=num_clients,
+                                 per_round=per_round)
+        rows.append(run_check(f"[equivalence] {label}:", row, fill))
     return rows
 
 
@@ -204,34 +234,34 @@ STAGES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+def _stage_row(row: dict[str, Any], device: str, options: dict[str, Any], rounds: int, num_clients: int,
+               per_round: int) -> None:
+    """FedAvg through one server stage on ``device`` and on the CPU: the difference of their parameters."""
+    spec = {"name": "fedavg", "local_lr": 0.05, "local_steps": 5, "batch_size": 20}
+    runs = {}
+    for where in dict.fromkeys([device, "cpu"]):
+        L.seed_everything(0, verbose=False)
+        module, t, _ = fit(where, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds, per_round,
+                           "vmap", **options)
+        assert module.model is not None
+        runs[where] = ({k: v.detach().cpu().clone() for k, v in module.model.named_parameters()},
+                       val_summary(t), {k: float(v) for k, v in t.callback_metrics.items()
+                                        if k.startswith("dp/")})
+    row["params"] = diff(runs[device][0], runs["cpu"][0])
+    row["val"] = diff(runs[device][1], runs["cpu"][1])
+    row["dp"] = runs[device][2]
+    row["flag"] = row["params"]["rel"] > 1e-4 or not all(
+        bool(torch.isfinite(v).all()) for v in runs[device][0].values())
+
+
 def check_server_stages(device: str, rounds: int, num_clients: int, per_round: int) -> list[dict[str, Any]]:
     """FedAvg through each reliability stage on ``device`` against the same run on the CPU."""
     rows = []
-    spec = {"name": "fedavg", "local_lr": 0.05, "local_steps": 5, "batch_size": 20}
     for label, options in STAGES:
         row: dict[str, Any] = {"stage": label, "options": options, "rounds": rounds}
-        t0 = time.perf_counter()
-        try:
-            runs = {}
-            for where in dict.fromkeys([device, "cpu"]):
-                L.seed_everything(0, verbose=False)
-                module, t, _ = fit(where, small_mlp(), spec, synthetic_dm(num_clients, rounds), rounds, per_round,
-                                   "vmap", **options)
-                assert module.model is not None
-                runs[where] = ({k: v.detach().cpu().clone() for k, v in module.model.named_parameters()},
-                               val_summary(t), {k: float(v) for k, v in t.callback_metrics.items()
-                                                if k.startswith("dp/")})
-            row["params"] = diff(runs[device][0], runs["cpu"][0])
-            row["val"] = diff(runs[device][1], runs["cpu"][1])
-            row["dp"] = runs[device][2]
-            row["flag"] = row["params"]["rel"] > 1e-4 or not all(
-                bool(torch.isfinite(v).all()) for v in runs[device][0].values())
-        except Exception as exc:  # noqa: BLE001 - recorded, the other checks go on
-            row.update(error(exc))
-            row["flag"] = True
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        print(f"[stages] {label}: {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}", flush=True)
-        rows.append(row)
+        fill = functools.partial(_stage_row, device=device, options=options, rounds=rounds, num_clients=num_clients,
+                                 per_round=per_round)
+        rows.append(run_check(f"[stages] {label}:", row, fill))
     return rows
 
 
@@ -273,7 +303,7 @@ def check_bf16(device: str, rounds: int, num_clients: int, per_round: int) -> di
 def check_speed(device: str, rounds: int, per_rounds: list[int], batchings: list[str], warmup: int = 2,
                 deadline: float = math.inf) -> list[dict[str, Any]]:
     rows = []
-    data = RandomW(num_clients=max(per_rounds))
+    data = RandomImages(max(per_rounds), (1, 28, 28), NUM_CLASSES, train=60, test=20, per_client=True)
     algorithm = {"name": "fedavg", "local_lr": 0.001, "batch_size": 40}
     for per_round in per_rounds:
         for batching in batchings:

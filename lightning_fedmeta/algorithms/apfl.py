@@ -76,14 +76,8 @@ class APFL(Algorithm):
         alpha: float = 0.5,
         adaptive: bool = True,
         alpha_lr: float | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_range("alpha", alpha, 0.0, 1.0)
         if not isinstance(adaptive, bool):
             raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
@@ -91,7 +85,7 @@ class APFL(Algorithm):
             check_non_negative("alpha_lr", alpha_lr)
         self.alpha = float(alpha)
         self.adaptive = adaptive
-        self.alpha_lr = local_lr if alpha_lr is None else alpha_lr
+        self.alpha_lr = self.local_lr if alpha_lr is None else alpha_lr
 
     def init_client_state(self, params: Params) -> dict[str, Tensor]:
         """v_k = the initial global model, α_k = ``alpha``."""

@@ -44,7 +44,9 @@ __all__ = [
     "BatchPlan",
     "ClientOutput",
     "ClientRecord",
+    "PersonalModel",
     "client_records",
+    "check_integer",
     "check_positive",
     "check_non_negative",
     "check_range",
@@ -173,6 +175,12 @@ def check_non_negative(name: str, value: float | int) -> None:
 def check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+
+
+def check_integer(name: str, value: int, low: int) -> None:
+    """Refuse a ``value`` that is not an integer ``>= low`` (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def check_seed(name: str, value: int) -> None:
@@ -566,3 +574,22 @@ def started_from(
     """
     return {k: torch.where(client.seen, v, fallback[k]) for k, v in personal.items()}
 
+
+class PersonalModel(Algorithm):
+    """Base of the algorithms whose every client keeps a whole personal model θ_i in its client state
+    (``{"personal": {name: tensor}}``: Ditto, PerFedMAML, the regularised MTL family, FedFomo, FedProto).
+
+    θ_i starts as a copy of the initial global parameters and is read only once the client has trained
+    (``client.seen``, :func:`started_from`); until then (never sampled yet, held out, or outside the federation)
+    the client's model is the current global one, θ_i = θ.
+    """
+
+    def init_client_state(self, params: Params) -> dict[str, Tensor]:
+        """θ_i, a copy of the (initial) global parameters (not read before the client has trained)."""
+        return {"personal": {k: v.detach().clone() for k, v in params.items()}}
+
+    def personal_start(
+        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
+    ) -> Params:
+        """θ_i for a client that has trained; the global parameters θ for one that has not."""
+        return started_from(client, state["personal"], params)

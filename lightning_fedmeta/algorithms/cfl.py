@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_integer, check_non_negative
 from lightning_fedmeta.algorithms.clustering import (
     CLUSTER,
     ClusteredAlgorithm,
@@ -77,21 +77,15 @@ class CFL(ClusteredAlgorithm):
         max_clusters: int = 8,
         warmup_rounds: int = 20,
         min_split_size: int = 2,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(finetune_batch_size=finetune_batch_size)
         if not eps1 > 0:
             raise ValueError(f"eps1 must be > 0, got {eps1!r}")
         check_non_negative("eps2", eps2)
         for name, value, low in (("max_clusters", max_clusters, 1), ("warmup_rounds", warmup_rounds, 0),
                                  ("min_split_size", min_split_size, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            check_integer(name, value, low)
         self.eps1 = eps1
         self.eps2 = eps2
         self.max_clusters = max_clusters

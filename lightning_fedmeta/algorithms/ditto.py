@@ -19,13 +19,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import (
-    Algorithm,
     BatchPlan,
     ClientOutput,
     ClientRecord,
+    PersonalModel,
     check_non_negative,
     phase_epochs,
-    started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
@@ -34,7 +33,7 @@ from lightning_fedmeta.sampling import phase_lengths
 __all__ = ["Ditto"]
 
 
-class Ditto(Algorithm):
+class Ditto(PersonalModel):
     """FedAvg for the global model plus a personal model per client pulled towards it.
 
     Args:
@@ -68,23 +67,17 @@ class Ditto(Algorithm):
         lam: float = 0.1,
         personal_steps: int | None = None,
         personal_lr: float | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
         personal_epochs: int | None = None,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("lam", lam)
         if personal_steps is not None and (not isinstance(personal_steps, int) or personal_steps < 1):
             raise ValueError(f"personal_steps must be an integer >= 1 (or None = local_steps), got {personal_steps!r}")
         if personal_lr is not None:
             check_non_negative("personal_lr", personal_lr)
         self.lam = lam
-        self.personal_steps = local_steps if personal_steps is None else personal_steps
-        self.personal_lr = local_lr if personal_lr is None else personal_lr
+        self.personal_steps = self.local_steps if personal_steps is None else personal_steps
+        self.personal_lr = self.local_lr if personal_lr is None else personal_lr
         self.personal_epochs = phase_epochs("personal_epochs", personal_epochs, self.local_epochs, "personal_steps")
 
     def round_plan(self) -> BatchPlan:
@@ -94,10 +87,6 @@ class Ditto(Algorithm):
             return BatchPlan(steps=0, per_step=1, batch_size=self.batch_size,
                              epochs=(self.local_epochs, self.personal_epochs), drop_last=self.drop_last)
         return BatchPlan(steps=self.local_steps + self.personal_steps, per_step=1, batch_size=self.batch_size)
-
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """The personal model ``v_k``, initially a copy of the global parameters."""
-        return {"personal": {k: v.detach().clone() for k, v in params.items()}}
 
     def client_update(
         self,
@@ -111,7 +100,7 @@ class Ditto(Algorithm):
         tau, s = phase_lengths(batches.x.shape[0], self.round_plan()) if self.local_epochs else (
             self.local_steps, self.personal_steps)
         w_local, loss = prox_sgd(ctx, params, batches, self.local_lr, 0.0, params, 0, tau)
-        v = started_from(client, state["personal"], params)
+        v = self.personal_start(params, state, server_state, client)
         v_new, personal_loss = prox_sgd(ctx, v, batches, self.personal_lr, self.lam, params, tau, s)
         return ClientOutput(
             delta=tree_sub(w_local, params),
@@ -119,9 +108,3 @@ class Ditto(Algorithm):
             extras={},
             metrics={"loss": loss, "personal_loss": personal_loss},
         )
-
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """Client ``k`` is evaluated with its personal model ``v_k`` (the global model until it has trained)."""
-        return started_from(client, state["personal"], params)

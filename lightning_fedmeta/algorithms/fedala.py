@@ -92,14 +92,8 @@ class FedALA(Algorithm):
         ala_layers: int = 2,
         ala_steps: int = 5,
         ala_start_steps: int = 20,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("eta", eta)
         for name, value in (("ala_layers", ala_layers), ("ala_steps", ala_steps), ("ala_start_steps", ala_start_steps)):
             if not isinstance(value, int) or value < 1:

@@ -94,14 +94,8 @@ class FedAMP(SimilarityRegularizedMTL):
         lam: float = 1.0,
         alpha_k: float = 1.0,
         sigma: float = 1.0,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(lam, local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(lam)
         check_positive("alpha_k", alpha_k)
         check_positive("sigma", sigma)
         self.alpha_k = alpha_k

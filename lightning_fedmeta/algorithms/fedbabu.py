@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.algorithms.shared_representation import head_names
+from lightning_fedmeta.algorithms.shared_representation import check_head_prefix, head_names
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["FedBABU", "body_sgd"]
@@ -85,10 +85,7 @@ class FedBABU(Algorithm):
 
     def __init__(self, head_prefix: str | list[str] | None = None, finetune_steps: int = 10) -> None:
         super().__init__(finetune_steps=finetune_steps)
-        if head_prefix is not None and not (
-            isinstance(head_prefix, str) or all(isinstance(p, str) for p in head_prefix)
-        ):
-            raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+        check_head_prefix(head_prefix)
         self.head_prefix = head_prefix
 
     def head(self, params: Params) -> set[str]:

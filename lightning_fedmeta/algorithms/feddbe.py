@@ -36,8 +36,6 @@ personalised model before evaluation. All are used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 from torch.func import grad_and_value
@@ -52,6 +50,7 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.feature_common import LinearHead, features_and_logits, linear_head
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
+from lightning_fedmeta.algorithms.shared_representation import check_head_prefix
 from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
 __all__ = ["FedDBE"]
@@ -94,20 +93,13 @@ class FedDBE(Algorithm):
         kappa: float = 50.0,
         momentum: float = 1.0,
         head_prefix: str | list[str] | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("kappa", kappa)
         check_range("momentum", momentum, 0.0, 1.0)
         if momentum == 0:
             raise ValueError("momentum must be > 0 (0 would never move the running mean from 0)")
-        if head_prefix is not None and not isinstance(head_prefix, str | Sequence):
-            raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+        check_head_prefix(head_prefix)
         self.kappa = kappa
         self.momentum = momentum
         self.head_prefix = head_prefix

@@ -52,6 +52,7 @@ from lightning_fedmeta.algorithms.base import (
     BatchPlan,
     ClientOutput,
     ClientRecord,
+    check_integer,
     check_non_negative,
     check_seed,
 )
@@ -125,17 +126,10 @@ class FedEM(Algorithm):
         init_noise: float = 1.0,
         init_seed: int = 0,
         em_steps: int = 10,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         for label, value in (("num_components", num_components), ("em_steps", em_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+            check_integer(label, value, 1)
         check_non_negative("init_noise", init_noise)
         check_seed("init_seed", init_seed)
         self.num_components = num_components

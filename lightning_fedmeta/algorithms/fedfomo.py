@@ -46,7 +46,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, started_from
+from lightning_fedmeta.algorithms.base import BatchPlan, ClientOutput, ClientRecord, PersonalModel
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
 
@@ -81,7 +81,7 @@ def first_order_combination(
     return combined, w
 
 
-class FedFomo(Algorithm):
+class FedFomo(PersonalModel):
     """Each client combines the stored models of its M closest peers, weighted by their validation improvement.
 
     Args:
@@ -101,14 +101,8 @@ class FedFomo(Algorithm):
     def __init__(
         self,
         models_per_client: int = 5,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         if not isinstance(models_per_client, int) or models_per_client < 1:
             raise ValueError(f"models_per_client must be an integer >= 1, got {models_per_client!r}")
         self.models_per_client = models_per_client
@@ -147,10 +141,6 @@ class FedFomo(Algorithm):
             MODELS: {n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in params.items()},
             AFFINITY: torch.eye(k, dtype=first.dtype, device=first.device),
         }
-
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """θ_i, a copy of θ⁰ (read only once the client has trained)."""
-        return {PERSONAL: {k: v.detach().clone() for k, v in params.items()}}
 
     # -- client -------------------------------------------------------------------------------
     def client_update(
@@ -216,12 +206,6 @@ class FedFomo(Algorithm):
         return tree_zeros_like(params), new_state
 
     # -- evaluation ---------------------------------------------------------------------------
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """θ_i for a client that has trained; θ⁰ otherwise."""
-        return started_from(client, state[PERSONAL], params)
-
     def personalize(
         self,
         ctx: ClientContext,

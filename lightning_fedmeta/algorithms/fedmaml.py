@@ -25,7 +25,7 @@ from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_scale
 
-__all__ = ["FedMAML", "maml_meta_gradient", "maml_plan", "split_support_query"]
+__all__ = ["FedMAML", "maml_meta_gradient", "maml_plan", "meta_rates", "split_support_query"]
 
 
 def split_support_query(batch: Batch) -> tuple[Batch, Batch]:
@@ -47,6 +47,15 @@ def split_support_query(batch: Batch) -> tuple[Batch, Batch]:
     idx = pos_val.clamp(max=width - 1).long()
     query = Batch(batch.x[idx], batch.y[idx], batch.mask[idx] * (pos_val < m).to(batch.mask.dtype))
     return support, query
+
+
+def meta_rates(alpha: float, finetune_lr: float | None, **rates: float) -> float:
+    """Check the meta-learners' step sizes, α and the others named (β), each ``>= 0``, and return the evaluation
+    fine-tuning rate: ``finetune_lr``, or α when it is ``None`` (a client is evaluated after the inner adaptation
+    step ``θ − α∇L_i(θ)`` it was meta-trained for: Reptile, FedMAML, Per-FedAvg, PerFedMAML)."""
+    for name, value in {"alpha": alpha, **rates}.items():
+        check_non_negative(name, value)
+    return alpha if finetune_lr is None else finetune_lr
 
 
 def maml_plan(algorithm: Algorithm) -> BatchPlan:
@@ -113,11 +122,8 @@ class FedMAML(Algorithm):
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
     ) -> None:
-        check_non_negative("alpha", alpha)
-        super().__init__(
-            local_steps, alpha, batch_size, finetune_steps, alpha if finetune_lr is None else finetune_lr,
-            finetune_batch_size,
-        )
+        finetune_lr = meta_rates(alpha, finetune_lr)
+        super().__init__(local_steps, alpha, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
         self.alpha = alpha
         self.second_order = bool(second_order)
 

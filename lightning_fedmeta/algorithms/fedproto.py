@@ -41,21 +41,14 @@ evaluation-time steps of the same objective. All are used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from lightning_fedmeta.algorithms.base import (
-    Algorithm,
-    ClientOutput,
-    ClientRecord,
-    check_non_negative,
-    started_from,
-)
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
 from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
+from lightning_fedmeta.algorithms.shared_representation import check_head_prefix
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["FedProto"]
@@ -65,7 +58,7 @@ PROTOTYPES = "prototypes"
 KNOWN = "known"
 
 
-class FedProto(Algorithm):
+class FedProto(PersonalModel):
     """Local models regularised towards class prototypes averaged by the server; no parameters are aggregated.
 
     Args:
@@ -88,17 +81,10 @@ class FedProto(Algorithm):
         self,
         lam: float = 1.0,
         head_prefix: str | list[str] | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("lam", lam)
-        if head_prefix is not None and not isinstance(head_prefix, str | Sequence):
-            raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+        check_head_prefix(head_prefix)
         self.lam = lam
         self.head_prefix = head_prefix
         self._num_classes: int | None = None
@@ -124,10 +110,6 @@ class FedProto(Algorithm):
         like = {"dtype": weight.dtype, "device": weight.device}
         return {PROTOTYPES: torch.zeros(weight.shape[0], weight.shape[1], **like),
                 KNOWN: torch.zeros(weight.shape[0], **like)}
-
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """θ_i, a copy of the initial parameters (read only once the client has trained)."""
-        return {PERSONAL: {k: v.detach().clone() for k, v in params.items()}}
 
     # -- client -------------------------------------------------------------------------------
     def local_loss(
@@ -215,12 +197,6 @@ class FedProto(Algorithm):
         return tree_zeros_like(params), new_state
 
     # -- evaluation ---------------------------------------------------------------------------
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """θ_i for a client that has trained; θ⁰ (the never-aggregated global parameters) otherwise."""
-        return started_from(client, state[PERSONAL], params)
-
     def personalize(
         self,
         ctx: ClientContext,

@@ -32,14 +32,8 @@ class FedProx(Algorithm):
     def __init__(
         self,
         mu: float = 0.01,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("mu", mu)
         self.mu = mu
 

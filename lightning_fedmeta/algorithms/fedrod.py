@@ -89,14 +89,8 @@ class FedRoD(Algorithm):
         self,
         head_prefix: str | list[str] | None = None,
         balanced: bool = True,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         if not isinstance(balanced, bool):
             raise ValueError(f"balanced must be True or False, got {balanced!r}")
         self.head_prefix = head_prefix

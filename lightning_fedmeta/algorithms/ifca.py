@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, check_integer, check_non_negative
 from lightning_fedmeta.algorithms.clustering import (
     CLUSTER,
     ClusteredAlgorithm,
@@ -96,11 +96,6 @@ class IFCA(ClusteredAlgorithm):
     def __init__(
         self,
         num_clusters: int = 2,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
         init: str = "kmeans++",
         init_noise: float = 1.0,
@@ -108,17 +103,15 @@ class IFCA(ClusteredAlgorithm):
         init_restarts: int = 10,
         reseed_after: int = 0,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
-        if isinstance(num_clusters, bool) or not isinstance(num_clusters, int) or num_clusters < 1:
-            raise ValueError(f"num_clusters must be an integer >= 1, got {num_clusters!r}")
+        super().__init__(finetune_batch_size=finetune_batch_size)
+        check_integer("num_clusters", num_clusters, 1)
         if init not in INITS:
             raise ValueError(f"init must be one of {', '.join(repr(i) for i in INITS)}, got {init!r}")
         check_non_negative("init_noise", init_noise)
         if isinstance(init_seed, bool) or not isinstance(init_seed, int):
             raise ValueError(f"init_seed must be an integer, got {init_seed!r}")
         for label, value, low in (("init_restarts", init_restarts, 1), ("reseed_after", reseed_after, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
+            check_integer(label, value, low)
         self.num_clusters = num_clusters
         self.init = init
         self.init_noise = init_noise

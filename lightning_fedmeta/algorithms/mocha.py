@@ -74,6 +74,7 @@ from lightning_fedmeta.algorithms.base import (
     BatchPlan,
     ClientOutput,
     ClientRecord,
+    check_integer,
     check_non_negative,
     check_range,
 )
@@ -196,8 +197,7 @@ class Mocha(Algorithm):
         check_non_negative("lambda2", lambda2)
         if not lambda1 + lambda2 > 0:
             raise ValueError(f"lambda1 + lambda2 must be > 0, got {lambda1!r} + {lambda2!r}")
-        if isinstance(local_iters, bool) or not isinstance(local_iters, int) or local_iters < 1:
-            raise ValueError(f"local_iters must be an integer >= 1, got {local_iters!r}")
+        check_integer("local_iters", local_iters, 1)
         check_range("budget_spread", budget_spread, 0.0, 0.999)
         if isinstance(omega_every, bool) or not isinstance(omega_every, int) or omega_every < 0:
             raise ValueError(f"omega_every must be an integer >= 0 (0 = fixed), got {omega_every!r}")

@@ -125,14 +125,8 @@ class MTLGraph(SimilarityRegularizedMTL):
         lam: float = 0.1,
         edges: list[list[float]] | None = None,
         knn: int | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(lam, local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(lam)
         if (edges is None) == (knn is None):
             raise ValueError(f"give exactly one of edges (a list of [j, k]) and knn (an int); got edges={edges!r}, "
                              f"knn={knn!r}")

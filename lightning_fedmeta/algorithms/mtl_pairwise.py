@@ -91,14 +91,8 @@ class MTLPairwise(SimilarityRegularizedMTL):
         self,
         lam: float = 0.1,
         similarity: list[list[float]] | str | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(lam, local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(lam)
         self.similarity = None if similarity is None else load_similarity(similarity)
 
     def fixed_similarity(self, num_clients: int) -> Tensor | None:

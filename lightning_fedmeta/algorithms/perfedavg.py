@@ -28,9 +28,9 @@ from lightning_fedmeta.algorithms.base import (
     BatchPlan,
     ClientOutput,
     ClientRecord,
-    check_non_negative,
     check_positive,
 )
+from lightning_fedmeta.algorithms.fedmaml import meta_rates
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_sub
 
@@ -86,13 +86,9 @@ class PerFedAvg(Algorithm):
     ) -> None:
         if variant not in _BATCHES_PER_STEP:
             raise ValueError(f"variant must be one of {sorted(_BATCHES_PER_STEP)}, got {variant!r}")
-        check_non_negative("alpha", alpha)
-        check_non_negative("beta", beta)
+        finetune_lr = meta_rates(alpha, finetune_lr, beta=beta)
         check_positive("delta", delta)
-        super().__init__(
-            local_steps, beta, batch_size, finetune_steps, alpha if finetune_lr is None else finetune_lr,
-            finetune_batch_size,
-        )
+        super().__init__(local_steps, beta, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
         self.variant = variant
         self.alpha = alpha
         self.beta = beta

@@ -31,14 +31,13 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import (
-    Algorithm,
     BatchPlan,
     ClientOutput,
     ClientRecord,
+    PersonalModel,
     check_non_negative,
-    started_from,
 )
-from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, maml_plan, split_support_query
+from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, maml_plan, meta_rates, split_support_query
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
@@ -47,7 +46,7 @@ __all__ = ["PerFedMAML"]
 _SUM = "sum"
 
 
-class PerFedMAML(Algorithm):
+class PerFedMAML(PersonalModel):
     """Per-client MAML initialisations θ_i pulled towards their mean θ̄ by ``λ‖θ_i − θ̄‖²``.
 
     Run it with the module's ``server_lr: 1`` (the default): the server's update is
@@ -87,13 +86,9 @@ class PerFedMAML(Algorithm):
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
     ) -> None:
-        check_non_negative("alpha", alpha)
-        check_non_negative("beta", beta)
+        finetune_lr = meta_rates(alpha, finetune_lr, beta=beta)
         check_non_negative("lam", lam)
-        super().__init__(
-            local_steps, beta, batch_size, finetune_steps, alpha if finetune_lr is None else finetune_lr,
-            finetune_batch_size,
-        )
+        super().__init__(local_steps, beta, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
         self.alpha = alpha
         self.beta = beta
         self.lam = lam
@@ -104,22 +99,12 @@ class PerFedMAML(Algorithm):
         return maml_plan(self)
 
     # -- state ---------------------------------------------------------------------------------
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """θ_i, read only once the client has trained (``client.seen``); a copy of the global model."""
-        return {"personal": {n: v.detach().clone() for n, v in params.items()}}
-
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """S = Σ_{i seen} p_i θ_i and P = Σ_{i seen} p_i, both zero before the first round."""
         state: dict[str, Any] = {_SUM: {n: torch.zeros_like(v) for n, v in params.items()}}
         ref = next(iter(params.values()))
         state["total"] = torch.zeros((), dtype=ref.dtype, device=ref.device)
         return state
-
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """θ_i for a client that has trained, θ̄ (the global model) otherwise."""
-        return started_from(client, state["personal"], params)
 
     # -- client and server ---------------------------------------------------------------------
     def client_update(

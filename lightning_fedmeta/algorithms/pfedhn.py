@@ -55,6 +55,7 @@ from lightning_fedmeta.algorithms.base import (
     Algorithm,
     ClientOutput,
     ClientRecord,
+    check_integer,
     check_non_negative,
     check_seed,
     started_from,
@@ -123,18 +124,11 @@ class PFedHN(Algorithm):
         clip_norm: float = 50.0,
         embed_init_std: float = 1.0,
         init_seed: int = 0,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         for label, value, low in (("hidden_dim", hidden_dim, 1), ("mlp_layers", mlp_layers, 0),
                                   ("embed_dim", 1 if embed_dim is None else embed_dim, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{label} must be an integer >= {low}, got {value!r}")
+            check_integer(label, value, low)
         for label, value in (("server_lr", server_lr), ("weight_decay", weight_decay),
                              ("clip_norm", clip_norm), ("embed_init_std", embed_init_std)):
             check_non_negative(label, value)

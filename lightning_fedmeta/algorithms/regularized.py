@@ -48,13 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import (
-    Algorithm,
-    ClientOutput,
-    ClientRecord,
-    check_non_negative,
-    started_from,
-)
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
@@ -74,7 +68,7 @@ SEEN = "seen"
 TOTAL = "total"
 
 
-class RegularizedMTL(Algorithm):
+class RegularizedMTL(PersonalModel):
     """Base of ``mtl_mean``, ``mtl_pairwise`` and ``mtl_graph``: personal models, prox SGD, exact mean tracking.
 
     Client state (one row per client): ``{"personal": {name: tensor}}``, the personal model (read only once the client
@@ -93,24 +87,14 @@ class RegularizedMTL(Algorithm):
     def __init__(
         self,
         lam: float = 0.1,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__()
         check_non_negative("lam", lam)
         self.lam = lam
         self._num_clients: int | None = None
         self._weights: Tensor | None = None
 
     # -- state --------------------------------------------------------------------------------
-    def init_client_state(self, params: Params) -> dict[str, Tensor]:
-        """The personal model's row, a copy of ``params`` (not read before the client has trained)."""
-        return {"personal": {n: v.detach().clone() for n, v in params.items()}}
-
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """``total`` = P = Σ_{k seen} p_k, 0 before the first round."""
         ref = next(iter(params.values()))
@@ -186,14 +170,6 @@ class RegularizedMTL(Algorithm):
         new_state = dict(server_state)
         new_state[TOTAL] = total.to(server_state[TOTAL].dtype)
         return tree_weighted_sum(outputs.delta, coeffs), new_state
-
-    # -- evaluation ---------------------------------------------------------------------------
-    def personal_start(
-        self, params: Params, state: dict[str, Tensor], server_state: dict[str, Tensor], client: ClientRecord
-    ) -> Params:
-        """``w_k`` for a client that has trained; the mean w̄ (the global parameters) for one that has
-        not: never sampled yet, held out (new), or outside the federation."""
-        return started_from(client, state["personal"], params)
 
 
 # ----------------------------------------------------------------------------------------------

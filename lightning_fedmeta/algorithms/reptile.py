@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.algorithms.fedmaml import meta_rates
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
@@ -53,11 +54,8 @@ class Reptile(Algorithm):
         finetune_lr: float | None = None,
         finetune_batch_size: int | None = None,
     ) -> None:
-        check_non_negative("alpha", alpha)
-        super().__init__(
-            local_steps, alpha, batch_size, finetune_steps, alpha if finetune_lr is None else finetune_lr,
-            finetune_batch_size,
-        )
+        finetune_lr = meta_rates(alpha, finetune_lr)
+        super().__init__(local_steps, alpha, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
         self.alpha = alpha
 
     def client_update(

@@ -53,18 +53,10 @@ class Scaffold(Algorithm):
     summary = "SCAFFOLD: local SGD corrected by control variates c − c_i (Karimireddy et al., 2020)"
     step_budget = True
 
-    def __init__(
-        self,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
-    ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
-        if not local_lr > 0:
-            raise ValueError(f"SCAFFOLD needs local_lr > 0 (option II divides by τ·η_l), got {local_lr!r}")
+    def __init__(self) -> None:
+        super().__init__()
+        if not self.local_lr > 0:
+            raise ValueError(f"SCAFFOLD needs local_lr > 0 (option II divides by τ·η_l), got {self.local_lr!r}")
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         return {"c": tree_zeros_like(params)}

@@ -23,7 +23,7 @@ the parameters of the module owning the last entry of ``named_parameters()`` (fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 from torch.func import grad_and_value
@@ -40,7 +40,7 @@ from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.sampling import phase_lengths
 
-__all__ = ["FedRep", "FedPer", "SharedRepresentation", "head_names"]
+__all__ = ["FedRep", "FedPer", "SharedRepresentation", "check_head_prefix", "head_names"]
 
 HEAD = "head"
 
@@ -72,6 +72,16 @@ def head_names(names: Sequence[str], head_prefix: str | Sequence[str] | None) ->
     return head
 
 
+def check_head_prefix(head_prefix: object) -> None:
+    """Refuse a ``head_prefix`` (of FedRep, FedPer, FedProto, FedDBE) that is neither ``None``, a string nor a list
+    of strings."""
+    if head_prefix is not None and not (
+        isinstance(head_prefix, str)
+        or (isinstance(head_prefix, Iterable) and all(isinstance(p, str) for p in head_prefix))
+    ):
+        raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+
+
 class SharedRepresentation(Algorithm):
     """Base of FedRep and FedPer: global body, per-client head in the client state (``{"head": {name: tensor}}``).
 
@@ -84,18 +94,9 @@ class SharedRepresentation(Algorithm):
     def __init__(
         self,
         head_prefix: str | list[str] | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
     ) -> None:
-        super().__init__(local_steps, local_lr, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
-        if head_prefix is not None and not (
-            isinstance(head_prefix, str) or all(isinstance(p, str) for p in head_prefix)
-        ):
-            raise ValueError(f"head_prefix must be a string, a list of strings or None, got {head_prefix!r}")
+        super().__init__()
+        check_head_prefix(head_prefix)
         self.head_prefix = head_prefix
 
     def split(self, params: Params) -> tuple[Params, Params]:
@@ -169,16 +170,9 @@ class FedRep(SharedRepresentation):
         self,
         head_steps: int = 10,
         head_prefix: str | list[str] | None = None,
-        local_steps: int = 10,
-        local_lr: float = 0.01,
-        batch_size: int | None = 32,
-        finetune_steps: int = 0,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = 32,
         head_epochs: int | None = None,
     ) -> None:
-        super().__init__(head_prefix, local_steps, local_lr, batch_size, finetune_steps, finetune_lr,
-                         finetune_batch_size)
+        super().__init__(head_prefix)
         if not isinstance(head_steps, int) or head_steps < 1:
             raise ValueError(f"head_steps must be an integer >= 1, got {head_steps!r}")
         self.head_steps = head_steps
