@@ -23,8 +23,9 @@ def test_every_work_matched_entry_spends_16_gradient_evaluations_per_client_per_
 
 #: how each issue-27 entry reaches 16: (gradient evaluations per step or per component-step, steps) by hand from
 #: each algorithm's client_update (APFL, FedRoD: 2 per step; FedEM: one per component; FedALA: 4 W + 12 SGD steps)
-PFL_WORK = {"fedbn_w16": (1, 16), "fedavg_ft_bn_w16": (1, 16), "lg_fedavg_w16": (1, 16), "fedbabu_w16": (1, 16), "fedamp_w16": (1, 16),
-            "pfedhn_w16": (1, 16), "apfl_w16": (2, 8), "fedrod_w16": (2, 8), "fedem_w16": (2, 8),
+PFL_WORK = {"fedbn_w16": (1, 16), "fedavg_ft_bn_w16": (1, 16), "lg_fedavg_w16": (1, 16), "fedbabu_w16": (1, 16),
+            "fedamp_w16": (1, 16), "pfedhn_w16": (1, 16), "apfl_w16": (2, 8), "fedrod_w16": (2, 8),
+            "fedem_w16": (2, 8),
             "fedala_w16": (1, 4 + 12), "fedproto_w16": (1, 16), "feddbe_w16": (1, 16), "fedfomo_w16": (1, 16)}
 
 
