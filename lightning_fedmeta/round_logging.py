@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from lightning_fedmeta.evaluation.fairness import SPREAD_KEY
+from lightning_fedmeta.evaluation.fairness import flat_spread
 from lightning_fedmeta.loop.round import RoundReport
 
 __all__ = ["log_round", "log_spread", "log_summary", "log_traffic", "logs_round", "spread_metrics"]
@@ -91,11 +91,7 @@ def summary_metrics(stage: str, summary: dict[str, dict[str, Tensor]], sample: T
 def spread_metrics(stage: str, summary: dict[str, Any]) -> dict[str, float]:
     """An evaluation's per-client spreads (``summary["_spread"]``) by logged name: ``<stage>/<metric>_std``,
     ``<stage>/<metric>_q10`` ... for the training clients, ``<stage>/<group>/...`` for the other groups."""
-    out: dict[str, float] = {}
-    for group, values in (summary.get(SPREAD_KEY) or {}).items():
-        prefix = f"{stage}/" if group == "clients" else f"{stage}/{group}/"
-        out.update({prefix + name: float(v) for name, v in values.items()})
-    return out
+    return flat_spread(summary, f"{stage}/")
 
 
 def log_spread(module: Any, stage: str, summary: dict[str, Any], step: int | None = None) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
-from lightning_fedmeta.evaluation.fairness import SPREAD_KEY, spread_keys, spread_summary
+from lightning_fedmeta.evaluation.fairness import summaries_with_spread
 from lightning_fedmeta.evaluation.scoring import score_client
 from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Batch, Params
@@ -176,10 +176,7 @@ class Evaluator:
     def _summaries(self, evaluated: Tensor | None) -> Summary:
         """The metric states' summaries per client group (``evaluated``: the clients of a sampled evaluation), with
         the per-client spread of every metric under ``summary["_spread"]`` (kept out of the logged summaries)."""
-        groups = self.engine.federation.summary_groups(evaluated)
-        summary = self.metric.summaries(groups)
-        summary[SPREAD_KEY] = spread_summary(summary["_per_client"], groups, spread_keys(self.metric_directions))
-        return summary
+        return summaries_with_spread(self.metric, self.engine.federation.summary_groups(evaluated))
 
     def _keep(self, summary: Summary, round_idx: int, scored: Tensor, evaluated: Tensor | None) -> None:
         self.last_summary = summary

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QUANTILES", "SPREAD_KEY", "best_round", "best_round_label", "eval_split", "spread", "spread_keys",
-           "spread_summary"]
+__all__ = ["QUANTILES", "SPREAD_KEY", "best_round", "best_round_label", "eval_split", "flat_spread", "spread",
+           "spread_keys", "spread_summary", "summaries_with_spread"]
 
 #: the quantiles reported, as ``(suffix, p)``
 QUANTILES: tuple[tuple[str, float], ...] = (("q10", 0.10), ("q25", 0.25), ("q50", 0.50), ("q75", 0.75),
@@ -57,6 +57,25 @@ def spread_keys(directions: Mapping[str, bool]) -> list[str]:
     metric was chosen)."""
     keys = [k for k in directions if k != "loss"]
     return keys or ["loss"]
+
+
+def summaries_with_spread(metrics: Any, groups: Mapping[str, Tensor]) -> dict[str, Any]:
+    """``metrics.summaries(groups)`` (a :class:`~lightning_fedmeta.metrics.ClientMetrics`) with the per-client spread
+    of every reported metric (:func:`spread_keys` of ``metrics.directions``) under ``summary[SPREAD_KEY]``: the one
+    place an evaluation's summary is formed, for the Lightning module's evaluator and the Flower ServerApp."""
+    summary = metrics.summaries(groups)
+    summary[SPREAD_KEY] = spread_summary(summary["_per_client"], groups, spread_keys(dict(metrics.directions)))
+    return summary
+
+
+def flat_spread(summary: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """A summary's spreads by name: ``{prefix}{m}_std``, ``{prefix}{m}_q10`` ... for the training clients and
+    ``{prefix}{group}/{m}_std`` ... for the other groups (held-out ``new``, ``honest``)."""
+    out: dict[str, float] = {}
+    for group, values in (summary.get(SPREAD_KEY) or {}).items():
+        head = prefix if group == "clients" else f"{prefix}{group}/"
+        out.update({head + name: float(v) for name, v in values.items()})
+    return out
 
 
 def spread_summary(per_client: Mapping[str, Tensor], groups: Mapping[str, Tensor], keys: Sequence[str]

@@ -39,6 +39,7 @@ from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weight
 from lightning_fedmeta.communication import TrafficCounter, payload_bytes, sent_model, upload_bytes
 from lightning_fedmeta.compression import check_composition
 from lightning_fedmeta.dp_draws import SecretDraws
+from lightning_fedmeta.evaluation.fairness import flat_spread, summaries_with_spread
 from lightning_fedmeta.flower.compressed import wire_bytes
 from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
 from lightning_fedmeta.flower.records import client_record_to_record, tree_to_record
@@ -570,8 +571,9 @@ class DeploymentServer:
 
     def evaluate(self, round_idx: int) -> dict[str, float]:
         """The personalised evaluation of every client, summarised as the simulator summarises it
-        (:meth:`~lightning_fedmeta.metrics.ClientMetrics.summaries`: ``{metric}_weighted``, ``_mean``,
-        ``_worst10`` for the training clients, and ``new/...`` for the held-out ones)."""
+        (:func:`~lightning_fedmeta.evaluation.fairness.summaries_with_spread`: ``{metric}_weighted``, ``_mean``,
+        ``_worst10`` and the spread over clients ``{metric}_std``, ``_q10`` ... ``_q90`` for the training clients,
+        and ``new/...`` for the held-out ones)."""
         k = self.num_clients
         testable = [p for p in range(k) if int(self.info[p]["num-test"]) > 0]  # nothing to score otherwise
         per_client = self._checked("evaluate", round_idx, self.exchange("evaluate", round_idx, testable))
@@ -589,12 +591,13 @@ class DeploymentServer:
                                     dtype=torch.float64).reshape(len(clients), len(names)),
         })
         partial = clients.numel() < k
-        summary = metrics.summaries(self.federation.summary_groups(clients if partial else None))
+        summary = summaries_with_spread(metrics, self.federation.summary_groups(clients if partial else None))
         for group, values in summary.items():
             if group.startswith("_"):
                 continue
             prefix = "" if group == "clients" else f"{group}/"
             result.update({prefix + key: float(v) for key, v in values.items()})
+        result.update(flat_spread(summary))
         self.log(f"[fedmeta] personalised evaluation after round {round_idx}: "
                  + ", ".join(f"{k} = {v:.4f}" for k, v in result.items() if k not in ("clients", "rejected_replies")))
         return result
