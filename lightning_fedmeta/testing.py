@@ -103,6 +103,7 @@ CHECKS = (
     "check_resume_is_bit_exact",
     "check_bf16",
     "check_exchange",
+    "check_population_view",
 )
 """The checks :func:`check_algorithm` runs, in this order (the names its ``skip`` argument accepts)."""
 
@@ -963,6 +964,8 @@ def check_algorithm(
         _check_bf16(setup)
     if "check_exchange" not in skip:
         _check_exchange(setup)
+    if "check_population_view" not in skip:
+        _check_population_view(setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1077,3 +1080,51 @@ def _check_exchange(setup: _Setup) -> None:
         _plain_round(module, 0)
         _check_download(check, module, module.engine.federation.round_clients(1), 1)
         _check_upload(check, module, 1)
+
+
+def _check_population_view(setup: _Setup) -> None:
+    """A client's own computations read only its own row of the population: an algorithm bound to the client's view
+    (:func:`~lightning_fedmeta.flower.client.population_view`, all a Flower node is told: every size, its own
+    weight, held-out flag and label histogram) gives the client's initial state, ``client_update`` (after a round)
+    and ``personalize`` bit for bit as the algorithm bound to the whole population does, for a training client and
+    a held-out one."""
+    with _checking(setup, "check_population_view") as check:
+        module = setup.module()
+        module.attach_data(setup.data)
+        _plain_round(module, 0)
+        federation = module.engine.federation
+        for c in [int(federation.round_clients(0)[0]), *federation.holdout.tolist()[:1]]:
+            for what, (a, b) in _with_population_view(setup, module, c).items():
+                diff = _same_trees({"x": a}, {"x": b})
+                if diff is not None:
+                    check.fail(f"client {c}'s {what} differs when bind_clients gets only the client's view of the "
+                               f"population ({diff}): a client's computations must read only its own row (a Flower "
+                               "node is not told the other clients' weights, held-out flags or label histograms)")
+
+
+def _with_population_view(setup: _Setup, module: FederatedModule, c: int) -> dict[str, tuple[Any, Any]]:
+    """Client ``c``'s initial state, round-1 ``client_update`` and ``personalize``, by the module's algorithm (bound to
+    the whole population) and by a fresh one bound to ``c``'s view."""
+    from lightning_fedmeta.flower.client import population_view
+
+    engine, full = module.engine, module.algorithm
+    assert engine.data is not None
+    k = engine.data.num_clients
+    at_bind = engine.records(torch.arange(k), device=torch.device("cpu"))._replace(
+        seen=torch.zeros(k, dtype=torch.bool))  # attach_data binds before any round
+    view, labels = population_view(ClientRecord(*(t[c] for t in at_bind)), at_bind.num_samples,
+                                   engine.data.label_counts[c].cpu())
+    mine = setup.make_algorithm()
+    mine.bind_clients(view, labels)
+    params, server_state = engine.global_params(), engine.server_state
+    batch, state, now, buffers = engine.personal_inputs(c, 1)
+    ctx = engine.ctx.for_client(buffers) if buffers else engine.ctx
+    train = engine.gatherer.batches("train", 1, torch.tensor([c]), full.round_plan())
+    train = Batch(train.x[0], train.y[0], train.mask[0])
+    pairs = {}
+    pairs["init_client_states"] = tuple(map_state(lambda v: v[c], a.init_client_states(params, population))
+                                        for a, population in ((full, at_bind), (mine, view)))
+    pairs["client_update"] = tuple(a.client_update(ctx, params, train, state, server_state, now)._asdict()
+                                   for a in (full, mine))
+    pairs["personalize"] = tuple(a.personalize(ctx, params, batch, state, server_state, now) for a in (full, mine))
+    return pairs

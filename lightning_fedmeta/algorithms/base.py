@@ -367,7 +367,12 @@ class Algorithm(ABC):
     def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:  # noqa: B027
         """Called once by the loop, before any state is initialised, with the stacked records of all
         ``K`` clients (held-out ones included: ``is_new``, weight 0) and every client's training label
-        histogram ``[K, C]``. Default: nothing."""
+        histogram ``[K, C]``. Default: nothing.
+
+        On a Flower node it gets the client's view instead (:func:`~lightning_fedmeta.flower.client.population_view`:
+        every size, but only the client's own weight, held-out flag and histogram), so what the *client* computes
+        (``init_client_states`` row, ``client_update``, ``personalize``) may read only the client's own row; the
+        server side may read all of it. ``check_algorithm``'s ``check_population_view`` tests this."""
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """Global tensors the server keeps between rounds (checkpointed). Default: none."""

@@ -9,10 +9,12 @@ docs/design.md contracts 1, 2 and 9) is computed here from the node's own data a
     out      = algorithm.client_update(ctx, w, batches, state, σ, record_c)            (run_clients, 1 client)
 
 The record (index ``c`` = partition id, weight ``p_c`` over the training clients, held out, seen, ``n_c``) and the
-population (every client's record and label histogram, for ``bind_clients`` and the initial states) come from
-the server, which learned every client's size at start-up. Full-batch plans pad to the largest client's size,
-as the in-process loop does. The evaluation is ``FederatedModule._eval_fn``'s: ``personalize`` on the
-``"adapt"`` draws, then masked sums of the loss and of each built-in metric on the client's test set.
+client's view of the population (:func:`population_view`: every client's training-set size, and its own label
+histogram; for ``bind_clients`` and the initial states) come from the server, which learned every client's size
+and histogram at start-up and tells no client another's histogram, weight or held-out flag. Full-batch plans pad
+to the largest client's size, as the in-process loop does. The evaluation is ``FederatedModule._eval_fn``'s:
+``personalize`` on the ``"adapt"`` draws, then masked sums of the loss and of each built-in metric on the client's
+test set.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from lightning_fedmeta.sampling import draw_batch_indices, stable_seed
 from lightning_fedmeta.state import map_state
 
 __all__ = ["NODE_SETTINGS", "LocalClient", "client_for", "data_spec_of", "load_partition", "node_setting",
-           "partition_of"]
+           "partition_of", "population_view"]
 
 #: settings only the node's owner chooses (node config): where its data comes from and whether its personal state
 #: leaves the node. A run config (written by whoever starts the run) naming them is ignored, with a warning.
@@ -144,6 +146,28 @@ def data_spec_of(data: FederatedData) -> dict[str, Any]:
         "input_shape": list(data.input_shape), "num_classes": data.num_classes, "task": data.task,
         "target_shape": list(data.target_shape),
     }
+
+
+def population_view(record: ClientRecord, sizes: Tensor, own_label_counts: Tensor) -> tuple[ClientRecord, Tensor]:
+    """The population as client ``c = record.index`` is told it, for ``bind_clients`` and ``init_client_states``:
+    ``K = len(sizes)`` rows with every client's training-set size ``n_j`` (full-batch plans and MOCHA's dual variables
+    are padded to the largest), and its own weight ``p_c``, held-out flag and label histogram (``own_label_counts``,
+    ``[C]`` or ``[1, C]``); every other client's weight, held-out flag and label histogram are zero.
+
+    A client's own computations read only its own row (tests/frontends/test_flower_population.py checks it for every
+    registered algorithm), so the view gives the numbers the full population gives, and a node that reads its
+    messages does not learn the other clients' class distributions (docs/security.md)."""
+    k, c = int(sizes.numel()), int(record.index)
+    own = own_label_counts.reshape(-1)
+    weight = torch.zeros(k, dtype=record.weight.dtype)
+    weight[c] = record.weight
+    is_new = torch.zeros(k, dtype=torch.bool)
+    is_new[c] = record.is_new
+    labels = torch.zeros((k, own.numel()), dtype=own.dtype)
+    labels[c] = own
+    view = ClientRecord(index=torch.arange(k), weight=weight, is_new=is_new, seen=torch.zeros(k, dtype=torch.bool),
+                        num_samples=sizes.reshape(-1).long())
+    return view, labels
 
 
 class LocalClient:

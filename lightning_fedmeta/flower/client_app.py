@@ -26,8 +26,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lightning_fedmeta.algorithms.base import ClientRecord
-from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of, node_setting
+from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of, node_setting, population_view
 from lightning_fedmeta.flower.compressed import RESIDUAL, client_upload
 from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
 from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
@@ -56,11 +55,8 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     server_state = record_to_tree(content.array_records["server-state"])
     record = record_to_client_record(content.array_records["record"])
     pop = record_to_tree(content.array_records["population"])
-    population = ClientRecord(
-        index=torch.arange(pop["num_samples"].numel()), weight=pop["weight"], is_new=pop["is_new"],
-        seen=torch.zeros(pop["num_samples"].numel(), dtype=torch.bool), num_samples=pop["num_samples"],
-    )
-    client.bind(population, pop["label_counts"])
+    population, label_counts = population_view(record, pop["num_samples"], pop["label_counts"])
+    client.bind(population, label_counts)
     state_round = int(config["state-round"])
     files = _state_file(client, context, config)
     if state_round < 0:  # never aggregated: the algorithm's initial state (from the initial global model)

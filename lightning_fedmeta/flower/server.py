@@ -267,10 +267,6 @@ class DeploymentServer:
         self.server_state = self.algorithm.init_server_state(self.params())
         self.reply_spec = ReplySpec.of(honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
                                                      self.init_params, self.server_state))
-        self.population = tree_to_record({
-            "num_samples": self.counts, "weight": self.federation.client_weight, "is_new": self.federation.is_holdout,
-            "label_counts": self.label_counts,
-        })
         self.round = 0
         if self.checkpoint and os.path.isfile(self.checkpoint):
             self.load(self.checkpoint)
@@ -350,7 +346,8 @@ class DeploymentServer:
             "params": tree_to_record(sent_model(self.params(), self.compression)),
             "server-state": tree_to_record(self.server_state),
             "record": client_record_to_record(ClientRecord(*(t[0] for t in self.records(torch.tensor([pid]))))),
-            "population": self.population,
+            # the client's view of the population (flower.client.population_view): the sizes and its own histogram
+            "population": tree_to_record({"num_samples": self.counts, "label_counts": self.label_counts[pid]}),
         })
         if int(self.state_round[pid]) < 0:  # the client starts from the initial state, made from w0
             content["init-params"] = tree_to_record(self.init_params)

@@ -192,7 +192,7 @@ def test_the_kit_imports_without_pytest() -> None:
     code = "import sys; sys.modules['pytest'] = None; import lightning_fedmeta.testing as t; print(len(t.CHECKS))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "6"  # check_exchange (issue 28) joined the five
+    assert proc.stdout.strip() == "7"  # check_exchange (issue 28) and check_population_view joined the five
 
 
 def test_the_kit_leaves_the_thread_count_and_logging_as_it_found_them() -> None:
