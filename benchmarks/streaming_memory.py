@@ -9,8 +9,8 @@ one local step of batch 10, vmap, one thread. The process measures its peak resi
 before and after one round; the row shows the increase, the size of the stacked updates ``clients × 4·d`` bytes
 for comparison, and the round's seconds. Both modes' parameters after the round are compared (max |difference|:
 float reassociation only). Records are appended to ``benchmarks/results/streaming_memory.jsonl`` as each finishes
-(a re-run skips those done); the report is ``streaming_memory.md``. ``--quick`` (width 64, 12 and 24 clients,
-chunk 4) is the smoke test of tests/benchmarks/test_streaming_memory.py.
+(a re-run skips those done); the report is ``streaming_memory.md`` and ``streaming_memory.png``. ``--quick``
+(width 64, 12 and 24 clients, chunk 4) is a smoke run.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def report(records: list[dict[str, Any]], command: str) -> str:
     lines = [
         "# Peak memory of one round: the aggregate streamed and stacked", "",
         f"Command: `{command}` (benchmarks/streaming_memory.py; records: `streaming_memory.jsonl`).", "",
+        "![peak memory against clients per round](streaming_memory.png)", "",
         "FedAvg, an MLP 784 → width → width → 10, one local step of batch 10, vmap in chunks, one thread, CPU. "
         "Peak RSS increase over the round, in a fresh process per cell. *Stacked updates* is what holding every "
         "client's update costs (clients × 4·d bytes).", "",
@@ -105,6 +106,31 @@ def report(records: list[dict[str, Any]], command: str) -> str:
                      f"{t['peak_increase_mib']:.0f} | {s['peak_increase_mib']:.0f} | "
                      f"{t['seconds']:.2f} / {s['seconds']:.2f} | {r['max_param_diff']:.1e} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict[str, Any]], out: Path) -> None:
+    """Peak-RSS increase of the round against clients per round, stacked and streamed (one line per width)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for width in sorted({r["width"] for r in records}):
+        rows = sorted((r for r in records if r["width"] == width), key=lambda r: r["clients"])
+        clients = [r["clients"] for r in rows]
+        for mode, style in (("stacked", "o-"), ("streamed", "s-")):
+            ax.plot(clients, [r[mode]["peak_increase_mib"] for r in rows], style,
+                    label=f"{mode} (width {width}, {rows[0]['streamed']['parameters']:,} parameters)")
+        ax.plot(clients, [r["streamed"]["stacked_mib"] for r in rows], ":", color="grey",
+                label="every client's update (clients × 4·d bytes)")
+    ax.set_xlabel("clients per round")
+    ax.set_ylabel("peak RSS increase over the round (MiB)")
+    ax.set_title("One FedAvg round (CPU): aggregate stacked or streamed", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
               f"streamed +{record['streamed']['peak_increase_mib']:.0f} MiB", flush=True)
     command = "python -m benchmarks.streaming_memory " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.results / "streaming_memory.md").write_text(report(list(done.values()), command.strip()))
+    plot(list(done.values()), args.results / "streaming_memory.png")
 
 
 if __name__ == "__main__":

@@ -34,4 +34,5 @@ def test_both_modes_agree_and_a_rerun_resumes(tmp_path: Path, monkeypatch: pytes
     assert len(calls) == 4
     table = (tmp_path / "streaming_memory.md").read_text()
     assert "| 6 | 4 | 13,002 |" in table and "| 9 | 4 | 13,002 |" in table
+    assert (tmp_path / "streaming_memory.png").stat().st_size > 0
 
