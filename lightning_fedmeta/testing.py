@@ -1084,8 +1084,8 @@ def _check_exchange(setup: _Setup) -> None:
 
 def _check_population_view(setup: _Setup) -> None:
     """A client's own computations read only its own row of the population: an algorithm bound to the client's view
-    (:func:`~lightning_fedmeta.flower.client.population_view`, all a Flower node is told: every size, its own
-    weight, held-out flag and label histogram) gives the client's initial state, ``client_update`` (after a round)
+    (:func:`~lightning_fedmeta.flower.client.population_view`, all a Flower node is told: ``K``, the largest size,
+    its own record and label histogram) gives the client's initial state, ``client_update`` (after a round)
     and ``personalize`` bit for bit as the algorithm bound to the whole population does, for a training client and
     a held-out one."""
     with _checking(setup, "check_population_view") as check:
@@ -1112,7 +1112,7 @@ def _with_population_view(setup: _Setup, module: FederatedModule, c: int) -> dic
     k = engine.data.num_clients
     at_bind = engine.records(torch.arange(k), device=torch.device("cpu"))._replace(
         seen=torch.zeros(k, dtype=torch.bool))  # attach_data binds before any round
-    view, labels = population_view(ClientRecord(*(t[c] for t in at_bind)), at_bind.num_samples,
+    view, labels = population_view(ClientRecord(*(t[c] for t in at_bind)), k, int(at_bind.num_samples.max()),
                                    engine.data.label_counts[c].cpu())
     mine = setup.make_algorithm()
     mine.bind_clients(view, labels)

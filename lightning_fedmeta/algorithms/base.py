@@ -370,9 +370,10 @@ class Algorithm(ABC):
         histogram ``[K, C]``. Default: nothing.
 
         On a Flower node it gets the client's view instead (:func:`~lightning_fedmeta.flower.client.population_view`:
-        every size, but only the client's own weight, held-out flag and histogram), so what the *client* computes
-        (``init_client_states`` row, ``client_update``, ``personalize``) may read only the client's own row; the
-        server side may read all of it. ``check_algorithm``'s ``check_population_view`` tests this."""
+        its own record and histogram, and for every other client only the largest size), so what the *client*
+        computes (``init_client_states`` row, ``client_update``, ``personalize``) may read only the client's own
+        row and the largest size; the server side may read all of it. ``check_algorithm``'s
+        ``check_population_view`` tests this."""
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """Global tensors the server keeps between rounds (checkpointed). Default: none."""

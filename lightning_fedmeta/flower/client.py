@@ -9,9 +9,9 @@ docs/design.md contracts 1, 2 and 9) is computed here from the node's own data a
     out      = algorithm.client_update(ctx, w, batches, state, σ, record_c)            (run_clients, 1 client)
 
 The record (index ``c`` = partition id, weight ``p_c`` over the training clients, held out, seen, ``n_c``) and the
-client's view of the population (:func:`population_view`: every client's training-set size, and its own label
+client's view of the population (:func:`population_view`: ``K``, the largest training-set size and its own label
 histogram; for ``bind_clients`` and the initial states) come from the server, which learned every client's size
-and histogram at start-up and tells no client another's histogram, weight or held-out flag. Full-batch plans pad
+and histogram at start-up and tells no client another's size, histogram, weight or held-out flag. Full-batch plans pad
 to the largest client's size, as the in-process loop does. The evaluation is ``FederatedModule._eval_fn``'s:
 ``personalize`` on the ``"adapt"`` draws, then masked sums of the loss and of each built-in metric on the client's
 test set.
@@ -148,25 +148,30 @@ def data_spec_of(data: FederatedData) -> dict[str, Any]:
     }
 
 
-def population_view(record: ClientRecord, sizes: Tensor, own_label_counts: Tensor) -> tuple[ClientRecord, Tensor]:
+def population_view(record: ClientRecord, num_clients: int, largest: int,
+                    own_label_counts: Tensor) -> tuple[ClientRecord, Tensor]:
     """The population as client ``c = record.index`` is told it, for ``bind_clients`` and ``init_client_states``:
-    ``K = len(sizes)`` rows with every client's training-set size ``n_j`` (full-batch plans and MOCHA's dual variables
-    are padded to the largest), and its own weight ``p_c``, held-out flag and label histogram (``own_label_counts``,
-    ``[C]`` or ``[1, C]``); every other client's weight, held-out flag and label histogram are zero.
+    ``K = num_clients`` rows; its own row holds its record and label histogram (``own_label_counts``, ``[C]`` or
+    ``[1, C]``); every other row has weight 0, no held-out flag, a zero histogram and the size ``largest``, the
+    largest training set (full-batch plans and MOCHA's dual variables are padded to it, so ``max`` of the sizes is
+    the population's, the one statistic of other clients a client's computation may use).
 
-    A client's own computations read only its own row (tests/frontends/test_flower_population.py checks it for every
-    registered algorithm), so the view gives the numbers the full population gives, and a node that reads its
-    messages does not learn the other clients' class distributions (docs/security.md)."""
-    k, c = int(sizes.numel()), int(record.index)
+    A client's own computations read only its own row and that maximum (``check_population_view`` of
+    :mod:`lightning_fedmeta.testing` checks it for every registered algorithm), so the view gives the numbers the
+    full population gives, and a message carries ``O(C)`` numbers, not ``O(K·C)``: a node learns no other client's
+    size, weight, held-out flag or class distribution (docs/security.md)."""
+    c = int(record.index)
     own = own_label_counts.reshape(-1)
-    weight = torch.zeros(k, dtype=record.weight.dtype)
+    weight = torch.zeros(num_clients, dtype=record.weight.dtype)
     weight[c] = record.weight
-    is_new = torch.zeros(k, dtype=torch.bool)
+    is_new = torch.zeros(num_clients, dtype=torch.bool)
     is_new[c] = record.is_new
-    labels = torch.zeros((k, own.numel()), dtype=own.dtype)
+    sizes = torch.full((num_clients,), int(largest), dtype=torch.long)
+    sizes[c] = record.num_samples
+    labels = torch.zeros((num_clients, own.numel()), dtype=own.dtype)
     labels[c] = own
-    view = ClientRecord(index=torch.arange(k), weight=weight, is_new=is_new, seen=torch.zeros(k, dtype=torch.bool),
-                        num_samples=sizes.reshape(-1).long())
+    view = ClientRecord(index=torch.arange(num_clients), weight=weight, is_new=is_new,
+                        seen=torch.zeros(num_clients, dtype=torch.bool), num_samples=sizes)
     return view, labels
 
 

@@ -55,7 +55,8 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     server_state = record_to_tree(content.array_records["server-state"])
     record = record_to_client_record(content.array_records["record"])
     pop = record_to_tree(content.array_records["population"])
-    population, label_counts = population_view(record, pop["num_samples"], pop["label_counts"])
+    largest = int(config["largest-train-size"])
+    population, label_counts = population_view(record, int(config["num-clients"]), largest, pop["label_counts"])
     client.bind(population, label_counts)
     state_round = int(config["state-round"])
     files = _state_file(client, context, config)
@@ -64,7 +65,7 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     else:
         state = files.load(state_round)
     state.pop(RESIDUAL, None)  # the top-k residual (read by _residual), not the algorithm's state
-    width = int(pop["num_samples"].max())
+    width = largest
     return config, params, server_state, state, record, width, files
 
 

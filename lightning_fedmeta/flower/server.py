@@ -338,7 +338,8 @@ class DeploymentServer:
     # ------------------------------------------------------------------------------------------
     def _content(self, round_idx: int, pid: int) -> RecordDict:
         config = ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
-                               "run-token": self.run_token, "state-round": int(self.state_round[pid])})
+                               "run-token": self.run_token, "state-round": int(self.state_round[pid]),
+                               "num-clients": self.num_clients, "largest-train-size": int(self.counts.max())})
         if self.compression is not None and self.compression.download is not None:
             config["params-dtype"] = str(next(iter(self.params().values())).dtype).removeprefix("torch.")
         content = RecordDict({
@@ -346,8 +347,9 @@ class DeploymentServer:
             "params": tree_to_record(sent_model(self.params(), self.compression)),
             "server-state": tree_to_record(self.server_state),
             "record": client_record_to_record(ClientRecord(*(t[0] for t in self.records(torch.tensor([pid]))))),
-            # the client's view of the population (flower.client.population_view): the sizes and its own histogram
-            "population": tree_to_record({"num_samples": self.counts, "label_counts": self.label_counts[pid]}),
+            # with config's num-clients and largest-train-size, the client's view of the population
+            # (flower.client.population_view): its own label histogram, nothing of another client
+            "population": tree_to_record({"label_counts": self.label_counts[pid]}),
         })
         if int(self.state_round[pid]) < 0:  # the client starts from the initial state, made from w0
             content["init-params"] = tree_to_record(self.init_params)
