@@ -44,19 +44,32 @@ def test_bf16_mixed_precision_runs_on_cpu_with_finite_loss_and_logged_accuracy()
     torch.testing.assert_close(module.model.weight, reference.model.weight, atol=0.05, rtol=0)
 
 
-@pytest.mark.spawns
-@pytest.mark.parametrize("variant", ["plain", "unreliable", "private"])
-def test_ddp_on_two_cpu_processes_equals_the_single_process_run(tmp_path: Path, variant: str) -> None:
-    """Also with dropouts, stragglers, Byzantine clients and a robust rule, and with DP (docs/reliability.md):
-    every draw is pure in (seed, round, client), so the ranks agree on who answers and on the noise."""
-    out = tmp_path / "ddp.pt"
+DDP_VARIANTS = ["plain", "unreliable", "private"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """The three variants fitted by one 2-process DDP launch (one after the other, each with its own module and
+    Trainer: the ranks' process start and imports are paid once, not three times). Read-only for the tests."""
+    folder = tmp_path_factory.mktemp("ddp")
+    out = folder / "ddp.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), "2", variant], capture_output=True, text=True, timeout=150, env=env,
-        cwd=tmp_path,
+        [sys.executable, str(WORKER), str(out), "2", ",".join(DDP_VARIANTS)], capture_output=True, text=True,
+        timeout=300, env=env, cwd=folder,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp = torch.load(out, weights_only=True)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("variant", DDP_VARIANTS)
+def test_ddp_on_two_cpu_processes_equals_the_single_process_run(
+    ddp_runs: dict[str, dict[str, dict[str, torch.Tensor]]], variant: str
+) -> None:
+    """Also with dropouts, stragglers, Byzantine clients and a robust rule, and with DP (docs/reliability.md):
+    every draw is pure in (seed, round, client), so the ranks agree on who answers and on the noise."""
+    ddp = ddp_runs[variant]
     assert int(ddp["world_size"]["value"]) == 2
     single = run_tiny(devices=1, variant=variant)
     assert single is not None
