@@ -960,12 +960,10 @@ def check_algorithm(
             _check_personalize(setup, run=run)
         if "check_resume_is_bit_exact" in trained:
             _check_resume(setup, run=run)
-    if "check_bf16" not in skip:
-        _check_bf16(setup)
-    if "check_exchange" not in skip:
-        _check_exchange(setup)
-    if "check_population_view" not in skip:
-        _check_population_view(setup)
+    for name, check in (("check_bf16", _check_bf16), ("check_exchange", _check_exchange),
+                        ("check_population_view", _check_population_view)):
+        if name not in skip:
+            check(setup)
 
 
 # ----------------------------------------------------------------------------------------------
