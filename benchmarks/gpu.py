@@ -19,6 +19,7 @@ section, so a run stopped by its time limit still leaves what it finished):
    The plain loop is timed on at most ``--loop-clients`` clients per round and scaled linearly to the row's
    clients (it is a sequence of independent clients; the rows say when they are scaled).
 
+    python3 -m pip install --no-deps --no-build-isolation --no-index -e .   # on the GPU machine: the entry points
     python benchmarks/gpu.py --out OUTDIR                       # on the GPU machine (writes gpu.json, gpu.md)
     python benchmarks/gpu.py --device cpu --quick --out /tmp/g   # the script itself on the CPU (tests)
 
@@ -68,6 +69,7 @@ from benchmarks.gpu_check import (  # noqa: E402
 )
 from lightning_fedmeta.data import FederatedDataModule  # noqa: E402
 from lightning_fedmeta.models import FedAvgCNN, ResNet18  # noqa: E402
+from lightning_fedmeta.registry import list_algorithms  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu for a smoke run")
+    if not any(entry.name == "fedavg" for entry in list_algorithms()):
+        parser.error("no algorithm is registered: the entry points come from the installed package; run "
+                     "`python3 -m pip install --no-deps --no-build-isolation --no-index -e .` first")
     warnings.filterwarnings("ignore")
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
