@@ -23,8 +23,35 @@ __all__ = ["SPAWNS_TIMEOUT_S", "run_plain_rounds"]
 SPAWNS_TIMEOUT_S = 600
 
 
+def _start_rank(item: pytest.Item) -> int:
+    """0 for the Flower loopback test (minutes), 1 for a ``spawns`` test, 2 for any other."""
+    return 0 if item.get_closest_marker("flower_loopback") else 1 if item.get_closest_marker("spawns") else 2
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture built once per module or class (a DDP launch, a trained checkpoint)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope in ("module", "class") for defs in info.name2fixturedefs.values()
+                                    for d in defs)
+
+
+def schedule_for_workers(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the tests for ``-n 2 --dist loadgroup`` (the README's test command), which hands tests to the two
+    workers in this order: the Flower loopback test first (minutes), then every ``spawns`` test, then the rest,
+    each group in collection order (a stable sort). A file whose tests share a module- or class-scoped fixture is
+    one ``xdist_group``, so that fixture is built once, on one worker. Without pytest-xdist only the order changes."""
+    items.sort(key=_start_rank)
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every ``spawns`` test without a ``timeout`` marker of its own the limit :data:`SPAWNS_TIMEOUT_S`."""
+    """Order and group the tests for two workers (:func:`schedule_for_workers`) and give every ``spawns`` test
+    without a ``timeout`` marker of its own the limit :data:`SPAWNS_TIMEOUT_S`."""
+    schedule_for_workers(config, items)
     if not config.pluginmanager.hasplugin("timeout"):  # pytest-timeout not installed: no limits at all
         return
     for item in items:
