@@ -152,6 +152,11 @@ class FedAS(PersonalModel):
             return super().round_plan()
         return BatchPlan(steps=self.align_steps + self.local_steps, per_step=1, batch_size=self.batch_size)
 
+    def init_server_state(self, params: Params) -> dict[str, Tensor]:
+        """None; the head is checked here, at setup (a last linear layer, or the one ``head_prefix`` names)."""
+        self.head(params)
+        return {}
+
     def head(self, params: Params) -> LinearHead:
         """The last linear layer, whose input is the representation z."""
         return linear_head(params, self.head_prefix, self.name)
