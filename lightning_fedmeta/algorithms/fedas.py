@@ -32,10 +32,10 @@ Where we differ from the authors' code:
 
 * Fisher weights: the authors' server weights each client by one number, the trace of its empirical Fisher
   information summed over its training batches (``aggregate_wrt_fisher``). The default here weights each parameter by
-  its own Fisher entry (``fisher="parameter"``, parameter-wise as issue 27 reads the paper's client synchronisation;
-  the paper's text was not at hand to check its equation); ``fisher="trace"`` follows the code. Their sum over ⌈n_i/B⌉
-  batches is n_i/B times a batch mean: our p_i F_i with p_i ∝ n_i (the default ``aggregation="samples"``) is the
-  same weight up to that rounding.
+  its own Fisher entry (``fisher="parameter"``: parameter-wise, the reading of the paper's client synchronisation
+  this port was specified with; the paper's equation was not at hand to check); ``fisher="trace"`` follows the code.
+  Their sum over ⌈n_i/B⌉ batches is n_i/B times a batch mean: our p_i F_i with p_i ∝ n_i (the default
+  ``aggregation="samples"``) is the same weight up to that rounding.
 * Fisher data: the authors evaluate it on a pass over the whole training set after training; here on the round's own
   batches (``fisher_steps``: the first that many, ``None`` = all of them), at the trained model.
 * Alignment data: the authors compute the prototypes on a pass over the training set at batch size 16 and align for
