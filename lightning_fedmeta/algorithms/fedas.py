@@ -14,15 +14,15 @@ model θ_i = (φ_i, h_i). Round t, sampled client i receives the global model θ
 3. the diagonal empirical Fisher information of θ_i on the round's batches b, F_i = mean_b (∇f_i(θ_i; b))²
    (element-wise square of each batch's mean-loss gradient, averaged over the batches that hold samples).
 
-It uploads Δ_i = θ_i − θ and F_i. *Client synchronisation*: the server averages every parameter k with weights
-proportional to the clients' Fisher information at that parameter and their weights p_i,
+It uploads Δ_i = θ_i − θ and tr F_i. *Client synchronisation*: the server weights each client by its Fisher
+information's trace (the authors' ``aggregate_wrt_fisher``) and its weight p_i,
 
-    Δ[k] = Σ_i ω_i[k] Δ_i[k],   ω_i[k] = p_i F_i[k] / Σ_j p_j F_j[k]   (ω_i[k] = p_i where Σ_j p_j F_j[k] = 0),
+    Δ = Σ_i ω_i Δ_i,   ω_i = p_i tr F_i / Σ_j p_j tr F_j   (ω_i = p_i where Σ_j p_j tr F_j = 0),
 
-and θ ← θ + β Δ (the server optimizer's step). ``fisher="trace"`` weights whole clients by the trace instead,
-ω_i = p_i tr F_i / Σ_j p_j tr F_j (the authors' code); ``fisher="off"`` is FedAvg's ω_i = p_i. With
-``align_steps=0`` and ``fisher="off"`` a round is FedPer's with the head aggregated (a joint SGD of the global body
-and the client's own head, averaged by p_i). Client i is evaluated with θ_i.
+and θ ← θ + β Δ (the server optimizer's step). ``fisher="parameter"`` weights every parameter k by its own entry
+instead, ω_i[k] = p_i F_i[k] / Σ_j p_j F_j[k] (an extension: F_i is uploaded whole, 2d floats); ``fisher="off"`` is
+FedAvg's ω_i = p_i. With ``align_steps=0`` and ``fisher="off"`` a round is FedPer's with the head aggregated (a joint
+SGD of the global body and the client's own head, averaged by p_i). Client i is evaluated with θ_i.
 
 Yang, Huang, Ye, "FedAS: Bridging Inconsistency in Personalized Federated Learning", CVPR 2024 (no arXiv version;
 code: github:xiyuanyang45/FedAS, a fork of PFLlib; PFLlib's ``clientas.py`` / ``serveras.py`` are the same code;
@@ -30,12 +30,13 @@ FL-bench ``src/client/fedas.py``).
 
 Where we differ from the authors' code:
 
-* Fisher weights: the authors' server weights each client by one number, the trace of its empirical Fisher
-  information summed over its training batches (``aggregate_wrt_fisher``). The default here weights each parameter by
-  its own Fisher entry (``fisher="parameter"``: parameter-wise, the reading of the paper's client synchronisation
-  this port was specified with; the paper's equation was not at hand to check); ``fisher="trace"`` follows the code.
-  Their sum over ⌈n_i/B⌉ batches is n_i/B times a batch mean: our p_i F_i with p_i ∝ n_i (the default
-  ``aggregation="samples"``) is the same weight up to that rounding.
+* Fisher weights: the authors' server weights each client by the trace of its empirical Fisher information summed
+  over its training batches, normalised over the round's clients, with no data-size factor (PFLlib
+  ``serveras.aggregate_wrt_fisher``, the authors' repository's copy). A sum over ⌈n_i/B⌉ batches is n_i/B times a
+  batch mean, so our ``p_i tr F_i`` (F_i a batch mean) with ``p_i ∝ n_i`` (the default ``aggregation="samples"``) is
+  their weight up to that rounding; with ``aggregation="uniform"`` the size factor is dropped. FL-bench's FedAS
+  aggregates by data size only (no Fisher weights). ``fisher="parameter"`` (per-parameter weights) is ours, not the
+  authors'.
 * Fisher data: the authors evaluate it on a pass over the whole training set after training; here on the round's own
   batches (``fisher_steps``: the first that many, ``None`` = all of them), at the trained model.
 * Alignment data: the authors compute the prototypes on a pass over the training set at batch size 16 and align for
@@ -107,8 +108,8 @@ class FedAS(PersonalModel):
     Args:
         align_steps: SGD steps of the alignment per round, ≥ 0 (0: no alignment).
         align_lr: η_a ≥ 0, the alignment's rate (the authors' 0.01).
-        fisher: ``"parameter"`` (ω per parameter, default), ``"trace"`` (ω per client from tr F_i, the authors' code)
-            or ``"off"`` (ω_i = p_i, FedAvg's weights; nothing extra is uploaded).
+        fisher: ``"trace"`` (ω per client from tr F_i, the authors' code; default), ``"parameter"`` (ω per
+            parameter, F_i uploaded whole) or ``"off"`` (ω_i = p_i, FedAvg's weights; nothing extra is uploaded).
         fisher_steps: batches of the round the Fisher information is estimated on (the first that many), ≥ 1;
             ``None``: all of them.
         head_prefix: parameter-name prefix of the last linear layer, whose input is the representation aligned
@@ -117,18 +118,18 @@ class FedAS(PersonalModel):
             docstring.
 
     Client state: ``{"personal": {name: tensor}}`` (θ_i, its last trained model). Upload: Δ_i and ``extras``
-    ``{"fisher": {name: tensor}}`` (F_i; with ``"trace"`` one number, tr F_i; nothing with ``"off"``).
+    ``{"fisher": tr F_i}`` (one number; with ``"parameter"`` ``{name: tensor}``, F_i; nothing with ``"off"``).
     """
 
     step_budget = True
     name = "fedas"
-    summary = "FedAS: prototype alignment of the received body, Fisher-weighted aggregation (Yang, Huang, Ye, 2024)"
+    summary = "FedAS: prototype alignment of the received body, Fisher-trace weighted averaging (Yang et al., 2024)"
 
     def __init__(
         self,
         align_steps: int = 5,
         align_lr: float = 0.01,
-        fisher: str = "parameter",
+        fisher: str = "trace",
         fisher_steps: int | None = None,
         head_prefix: str | list[str] | None = None,
     ) -> None:

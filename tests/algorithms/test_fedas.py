@@ -87,7 +87,7 @@ def test_fedas_client_round_equals_plain_pytorch_on_unequal_clients(client: int)
     """A trained client (its previous model ≠ the global one): 2 alignment steps on the received body, 3 SGD steps
     with its own head, and the Fisher information on the 3 training batches equal the plain-PyTorch reference;
     the alignment moved the body."""
-    alg = FedAS(align_steps=2, align_lr=ALIGN_LR, local_steps=3, local_lr=LR)
+    alg = FedAS(align_steps=2, align_lr=ALIGN_LR, local_steps=3, local_lr=LR, fisher="parameter")
     theta, previous = _params(tanh_mlp(seed=1)), _params(tanh_mlp(seed=2))
     batches = _client_batches(client, steps=5)
     record = client_record(int(tiny_data().train_counts[client]), index=client, seen=True)

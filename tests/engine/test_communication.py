@@ -74,9 +74,9 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "apfl": ({}, FLOAT * D, FLOAT * D),
     "fedala": ({}, FLOAT * D, FLOAT * D),
     "fedrod": ({}, FLOAT * D, FLOAT * D),
-    # FedAS: w down; Δ and the Fisher information up: per parameter (d), its trace (1), or nothing ("off")
-    "fedas": ({}, FLOAT * D, FLOAT * 2 * D),
-    "fedas_trace": ({"name": "fedas", "fisher": "trace"}, FLOAT * D, FLOAT * (D + 1)),
+    # FedAS: w down; Δ and the Fisher information up: its trace (1, default), per parameter (d), or nothing ("off")
+    "fedas": ({}, FLOAT * D, FLOAT * (D + 1)),
+    "fedas_parameter": ({"name": "fedas", "fisher": "parameter"}, FLOAT * D, FLOAT * 2 * D),
     "fedas_off": ({"name": "fedas", "fisher": "off"}, FLOAT * D, FLOAT * D),
 }
 
