@@ -74,6 +74,10 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "apfl": ({}, FLOAT * D, FLOAT * D),
     "fedala": ({}, FLOAT * D, FLOAT * D),
     "fedrod": ({}, FLOAT * D, FLOAT * D),
+    # FedAS: w down; Δ and the Fisher information up: its trace (1, default), per parameter (d), or nothing ("off")
+    "fedas": ({}, FLOAT * D, FLOAT * (D + 1)),
+    "fedas_parameter": ({"name": "fedas", "fisher": "parameter"}, FLOAT * D, FLOAT * 2 * D),
+    "fedas_off": ({"name": "fedas", "fisher": "off"}, FLOAT * D, FLOAT * D),
 }
 
 
@@ -209,7 +213,8 @@ def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, mess
 
 
 @pytest.mark.parametrize("name", ["scaffold", "cfl", "mocha", "fedamp", "fedem", "pfedhn", "lg_fedavg", "fedbn",
-                                  "fedbabu", "apfl", "fedala", "fedrod", "fedproto", "feddbe", "fedfomo"])
+                                  "fedbabu", "apfl", "fedala", "fedrod", "fedproto", "feddbe", "fedfomo",
+                                  "fedas"])
 def test_check_exchange_passes_the_builtins_it_covers(name: str) -> None:
     check_algorithm(name, skip=ONLY_EXCHANGE)
 

@@ -270,7 +270,7 @@ ALGORITHM_BASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module]]] = {
     "fedper": ({}, _two_layers), "fedrep": ({}, _two_layers), "mtl_graph": ({"knn": 1}, tiny_linear),
     "fedala": ({}, _two_layers), "fedbabu": ({}, _two_layers), "fedbn": ({}, _batch_norm),
     "feddbe": ({}, _two_layers), "fedproto": ({}, _two_layers), "fedrod": ({}, _two_layers),
-    "lg_fedavg": ({}, _two_layers),
+    "lg_fedavg": ({}, _two_layers), "fedas": ({}, _two_layers),
 }
 HEAD_PREFIX = Option(st.none() | st.just("2."), st.just("zzz") | st.just("") | st.just(["0.", "2."]))
 SEED64 = Option(st.integers(-(2**63), 2**64 - 1), st.integers(min_value=2**64) | st.integers(max_value=-(2**63) - 1))
@@ -287,6 +287,10 @@ ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
     "fedala": {"eta": nonnegative_finite(), "ala_layers": int_at_least(1, 2), "ala_steps": int_at_least(1, 3),
                "ala_start_steps": int_at_least(1, 3)},
     "fedamp": {"lam": nonnegative_finite(), "alpha_k": positive_finite(), "sigma": positive_finite()},
+    "fedas": {"align_steps": int_at_least(0, 3), "align_lr": nonnegative_finite(),
+              "fisher": Option(st.sampled_from(["parameter", "trace", "off"]), text_not_in(["parameter", "trace",
+                                                                                             "off"])),
+              "fisher_steps": optional(int_at_least(1, 3)), "head_prefix": HEAD_PREFIX},
     "fedavg": {},
     "fedbabu": {"head_prefix": HEAD_PREFIX},
     "fedbn": {"norm_prefix": Option(st.none() | st.just("1.") | st.just(["1"]),
