@@ -214,7 +214,8 @@ def _reference_server(global_net: nn.Sequential, ups: list[dict], weights: Tenso
     class counts (a class nobody sent keeps its prototype), and each client's head Σ_j α_ij h_j."""
     with torch.no_grad():
         for name, p in global_net.named_parameters():
-            p.copy_(sum(w * dict(u["net"].named_parameters())[name] for w, u in zip(weights.tolist(), ups, strict=True)))
+            trained = [dict(u["net"].named_parameters())[name] for u in ups]
+            p.copy_(sum(w * t for w, t in zip(weights.tolist(), trained, strict=True)))
     new = dict(protos)
     for k in {k for u in ups for k in u["protos"]}:
         held = [u["protos"][k] for u in ups if k in u["protos"]]
