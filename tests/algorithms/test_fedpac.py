@@ -19,7 +19,7 @@ from lightning_fedmeta.loop.gather import new_client_batches
 from lightning_fedmeta.sampling import sample_clients
 from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
-from tests.helpers import tanh_mlp, tiny_data
+from tests.helpers import make_tiny_clients, tanh_mlp, tiny_data
 
 ALG = {"lam": 0.5, "head_steps": 2, "head_lr": 0.3, "local_lr": 0.2, "local_steps": 3,
        "batch_size": 4, "finetune_steps": 2, "finetune_lr": 0.1, "finetune_batch_size": 4, "qp_iters": 3000}
@@ -286,6 +286,32 @@ def test_fedpac_matches_the_authors_rule_in_plain_pytorch(collaborate: bool) -> 
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=2e-5)
     assert not torch.equal(got["2.weight"], dict(global_net.named_parameters())["2.weight"]), "the head adapted"
     assert torch.equal(got["0.weight"], dict(module.model.named_parameters())["0.weight"]), "the body did not"
+
+
+def test_with_one_head_epoch_the_statistics_are_the_authors_full_training_set_pass() -> None:
+    """``local_epochs=1`` (head_epochs 1): the head phase visits every training row once at the received body, so
+    V_i and H_i equal the authors' ``statistics_extraction`` over the client's whole training set (client 2, 11
+    rows, batches of 4: a partial last batch)."""
+    module = FederatedModule(model=tanh_mlp(), algorithm=FedPAC(local_epochs=1, batch_size=4), clients_per_round=3,
+                             seed=1)
+    module.attach_data(tiny_data())
+    alg, params, ctx = module.algorithm, module._global_params(), module.ctx
+    one = torch.tensor([2])
+    batches = module._batches("train", 0, one, alg.round_plan()).at(0)
+    record = module.records(one)
+    record = type(record)(*(t[0] for t in record))
+    out = alg.client_update(ctx, params, batches, {}, alg.init_server_state(params), record)
+    x, y = make_tiny_clients(6)[2][:2]
+    z = module.model[:-1](x).detach()
+    variance, moments = 0.0, torch.zeros(3, 8)
+    for k in y.unique().tolist():  # the authors skip a class the client lacks (here class 0)
+        f = z[y == k]
+        p, mu = f.shape[0] / y.numel(), f.mean(0)
+        moments[k] = p * mu
+        variance += p * float(torch.trace(f.T @ f) / f.shape[0]) - p * p * float(mu @ mu)
+    assert y.numel() == 11 and len(y.unique()) == 2
+    torch.testing.assert_close(out.extras["moments"], moments, rtol=0, atol=1e-6)
+    torch.testing.assert_close(float(out.extras["variance"]), variance / 11, rtol=1e-5, atol=1e-7)
 
 
 def test_fedpac_without_alignment_or_combination_is_fedrep() -> None:
