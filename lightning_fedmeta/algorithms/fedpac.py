@@ -47,8 +47,9 @@ clientpac/serverpac copy it):
   samples it trained on in the head phase (n_ik per head epoch under ``local_epochs``).
 * Optimiser: the authors use SGD with momentum 0.5 and weight decay 5e-4, the head at a fixed rate 0.1 and the
   body at ``lr``; we use plain SGD, the head at ``head_lr`` (default ``local_lr``), the body at ``local_lr``.
-* The authors run the statistics of every round (theirs: up to ``epochs``) and collaborate while ``agg_g`` is set;
-  ``collaborate=False`` is their ``agg_g = 0`` (each client keeps its own trained head: FedRep plus alignment).
+* The authors combine the heads in every round but their last (an extra round of every client, without
+  combination) while ``agg_g`` is set; we combine in every round while ``collaborate`` is set. ``collaborate=False``
+  is their ``agg_g = 0`` (each client keeps its own trained head: FedRep plus alignment).
 * Weights below ``min_weight`` (the authors' 1e-3) are dropped and the rest renormalised, as the authors
   (PFLlib does not renormalise); the largest weight is always kept.
 
