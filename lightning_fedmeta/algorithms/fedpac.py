@@ -51,7 +51,8 @@ clientpac/serverpac copy it):
   combination) while ``agg_g`` is set; we combine in every round while ``collaborate`` is set. ``collaborate=False``
   is their ``agg_g = 0`` (each client keeps its own trained head: FedRep plus alignment).
 * Weights below ``min_weight`` (the authors' 1e-3) are dropped and the rest renormalised, as the authors
-  (PFLlib does not renormalise); the largest weight is always kept.
+  (PFLlib does not renormalise); the largest weight is always kept. (FL-bench's ``fedpac.py`` server, in the version
+  we read, computes the weights but never applies them: its heads are FedAvg's.)
 
 New clients. A held-out client has no head of its own: it starts from the global body and the global head (the
 mean of the clients' heads, as FedRep) and takes ``finetune_steps`` head-only steps (the head phase, body fixed,
