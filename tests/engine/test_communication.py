@@ -78,6 +78,9 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "fedas": ({}, FLOAT * D, FLOAT * (D + 1)),
     "fedas_parameter": ({"name": "fedas", "fisher": "parameter"}, FLOAT * D, FLOAT * 2 * D),
     "fedas_off": ({"name": "fedas", "fisher": "off"}, FLOAT * D, FLOAT * D),
+    # FedPAC: w, the C × H prototypes and C known flags, the client's combined head (H·C + C) down; Δ, the C × H
+    # feature moments H_i, the C × H prototypes, their C class counts and the variance V_i up
+    "fedpac": ({}, FLOAT * (D + 2 * C * H + 2 * C), FLOAT * (D + 2 * C * H + C + 1)),
 }
 
 
@@ -214,7 +217,7 @@ def test_check_exchange_refuses_an_algorithm_that_under_declares(cls: type, mess
 
 @pytest.mark.parametrize("name", ["scaffold", "cfl", "mocha", "fedamp", "fedem", "pfedhn", "lg_fedavg", "fedbn",
                                   "fedbabu", "apfl", "fedala", "fedrod", "fedproto", "feddbe", "fedfomo",
-                                  "fedas"])
+                                  "fedas", "fedpac"])
 def test_check_exchange_passes_the_builtins_it_covers(name: str) -> None:
     check_algorithm(name, skip=ONLY_EXCHANGE)
 

@@ -270,7 +270,7 @@ ALGORITHM_BASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module]]] = {
     "fedper": ({}, _two_layers), "fedrep": ({}, _two_layers), "mtl_graph": ({"knn": 1}, tiny_linear),
     "fedala": ({}, _two_layers), "fedbabu": ({}, _two_layers), "fedbn": ({}, _batch_norm),
     "feddbe": ({}, _two_layers), "fedproto": ({}, _two_layers), "fedrod": ({}, _two_layers),
-    "lg_fedavg": ({}, _two_layers), "fedas": ({}, _two_layers),
+    "lg_fedavg": ({}, _two_layers), "fedas": ({}, _two_layers), "fedpac": ({}, _two_layers),
 }
 HEAD_PREFIX = Option(st.none() | st.just("2."), st.just("zzz") | st.just("") | st.just(["0.", "2."]))
 SEED64 = Option(st.integers(-(2**63), 2**64 - 1), st.integers(min_value=2**64) | st.integers(max_value=-(2**63) - 1))
@@ -303,6 +303,10 @@ ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
     "fedmaml": {"alpha": nonnegative_finite(), "second_order": Option(st.booleans(), None, NO_INVALID_BOOL)},
     "fedper": {"head_prefix": HEAD_PREFIX},
     "fedproto": {"lam": nonnegative_finite(), "head_prefix": HEAD_PREFIX},
+    "fedpac": {"lam": nonnegative_finite(), "head_steps": int_at_least(1, 3), "head_epochs": PHASE_EPOCHS,
+               "head_lr": optional(nonnegative_finite()), "collaborate": Option(st.booleans(), None, NO_INVALID_BOOL),
+               "min_weight": Option(between(0.0, 0.99), below(0.0) | above(1.0, True) | NAN),
+               "qp_iters": int_at_least(1, 50), "head_prefix": HEAD_PREFIX},
     "fedprox": {"mu": nonnegative_finite()},
     "fedrep": {"head_prefix": HEAD_PREFIX, "head_steps": int_at_least(1), "head_epochs": PHASE_EPOCHS},
     "fedrod": {"head_prefix": HEAD_PREFIX, "balanced": Option(st.booleans(), None, NO_INVALID_BOOL)},
