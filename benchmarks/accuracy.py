@@ -88,6 +88,11 @@ RESULTS_FILE = "results.jsonl"
 #   fedfomo:           τ            (+ one forward pass on the validation batch per received model, not counted)
 #   fedala:            A + τ        (A = max(``ala_steps``, ``ala_start_steps``) W-gradient steps ∇_θ̂ f(θ̂_k; D):
 #                      the client computes A every round, the steps beyond ``ala_steps`` at rate 0 after the first)
+#   fedpac:            H + τ        (H = ``head_steps`` head-only steps before the τ body steps; the statistics and
+#                      prototypes are forward passes, not counted)
+#   fedas:             A + τ + F    (A = ``align_steps`` alignment steps on the body, F = ``fisher_steps`` (default τ)
+#                      batch gradients for the Fisher information, 0 with ``fisher="off"``; the prototypes are
+#                      forward passes, not counted)
 _PER_STEP: dict[str, Any] = {
     "fedavg": 1,
     "reptile": 1,
@@ -120,6 +125,9 @@ _TOTAL: dict[str, Any] = {
     "ditto": lambda hp: hp["local_steps"] + (hp.get("personal_steps") or hp["local_steps"]),
     "fedrep": lambda hp: hp["local_steps"] + hp.get("head_steps", 0),
     "fedala": lambda hp: hp["local_steps"] + max(hp["ala_steps"], hp["ala_start_steps"]),
+    "fedpac": lambda hp: hp["local_steps"] + hp["head_steps"],
+    "fedas": lambda hp: hp["local_steps"] + hp["align_steps"] + (
+        0 if hp["fisher"] == "off" else min(hp["fisher_steps"] or hp["local_steps"], hp["local_steps"])),
 }
 
 

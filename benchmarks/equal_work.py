@@ -247,6 +247,12 @@ def _pfl_entries() -> list[Entry]:
         Entry("fedfomo_w16", "FedFomo (M = 5 models)",
               {"name": "fedfomo", "models_per_client": 5, "local_steps": 16, **b}, lr,
               evaluation="the client's own model"),
+        Entry("fedpac_w16", "FedPAC (λ = 1, 4 head + 12 body steps)",
+              {"name": "fedpac", "lam": 1.0, "head_steps": 4, "local_steps": 12, **b}, lr,
+              evaluation="global body + the client's combined head"),
+        Entry("fedas_w16", "FedAS (4 alignment + 8 SGD steps, Fisher trace on 4 batches)",
+              {"name": "fedas", "align_steps": 4, "local_steps": 8, "fisher": "trace", "fisher_steps": 4, **b}, lr,
+              evaluation="the client's last trained model θ_i"),
     ]
 
 

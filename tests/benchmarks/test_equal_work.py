@@ -26,7 +26,8 @@ def test_every_work_matched_entry_spends_16_gradient_evaluations_per_client_per_
 PFL_WORK = {"fedbn_w16": (1, 16), "fedavg_ft_bn_w16": (1, 16), "lg_fedavg_w16": (1, 16), "fedbabu_w16": (1, 16),
             "fedamp_w16": (1, 16), "pfedhn_w16": (1, 16), "apfl_w16": (2, 8), "fedrod_w16": (2, 8),
             "fedem_w16": (2, 8),
-            "fedala_w16": (1, 4 + 12), "fedproto_w16": (1, 16), "feddbe_w16": (1, 16), "fedfomo_w16": (1, 16)}
+            "fedala_w16": (1, 4 + 12), "fedproto_w16": (1, 16), "feddbe_w16": (1, 16), "fedfomo_w16": (1, 16),
+            "fedpac_w16": (1, 4 + 12), "fedas_w16": (1, 4 + 8 + 4)}
 
 
 def test_every_issue_27_entry_spends_16_gradient_evaluations_counted_from_its_config(tmp_path) -> None:
@@ -58,6 +59,13 @@ def test_the_issue_27_counting_rules_follow_the_steps_each_client_computes() -> 
     assert g("fedala", {"ala_steps": 6, "ala_start_steps": 2, "local_steps": 10}) == 16
     for name in ("fedbn", "lg_fedavg", "fedbabu", "fedamp", "pfedhn", "fedproto", "feddbe", "fedfomo"):
         assert g(name, {"local_steps": 7}) == 7, name
+    # FedPAC: head-only steps, then body steps; FedAS: alignment steps, training steps and one batch gradient per
+    # Fisher batch (every training batch by default, at most those; none with fisher="off")
+    assert g("fedpac", {"head_steps": 3, "local_steps": 5}) == 8
+    assert g("fedas", {"align_steps": 2, "local_steps": 5}) == 2 + 5 + 5
+    assert g("fedas", {"align_steps": 2, "local_steps": 5, "fisher_steps": 3}) == 2 + 5 + 3
+    assert g("fedas", {"align_steps": 2, "local_steps": 5, "fisher_steps": 9}) == 2 + 5 + 5
+    assert g("fedas", {"align_steps": 2, "local_steps": 5, "fisher": "off"}) == 2 + 5
 
 
 def test_sweep_candidates_are_scored_on_the_validation_split_and_finals_on_the_test_set() -> None:
