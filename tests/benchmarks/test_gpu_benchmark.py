@@ -60,3 +60,19 @@ def test_a_row_runs_in_a_fresh_process_as_on_the_gpu() -> None:
     in_process = gpu.project_row("cpu", "W", True, 2, 2, data, isolate=False)
     assert isolated["client_chunk_size"] == gpu.CHUNK_SIZES[0]
     assert isolated["final_loss"] == in_process["final_loss"]  # same seed, same data: the same run
+
+
+def test_every_algorithm_script_compares_loop_and_vmap_and_lists_what_the_budget_left(tmp_path) -> None:
+    """benchmarks/gpu_algorithms.py on the CPU: the newest algorithms first, a row per algorithm with the loop/vmap
+    differences (tiny, unflagged) and the held-out clients scored; a spent budget lists the rest as not run."""
+    from benchmarks import gpu_algorithms as ga
+
+    res = ga.main(["--device", "cpu", "--rounds", "1", "--algorithms", "fedavg", "fedpac", "--out", str(tmp_path)])
+    assert [r["algorithm"] for r in res["rows"]] == ["fedpac", "fedavg"] and not res["not_run"]
+    for row in res["rows"]:
+        assert not row["flag"] and row["params"]["rel"] < ga.REL_TOL and row["params"]["keys"] > 0
+        assert any(k.startswith("val/") and "new" in k for k in row["val_keys"]), row["val_keys"]
+    assert "| fedpac |" in (tmp_path / "gpu_algorithms.md").read_text()
+    spent = ga.main(["--device", "cpu", "--budget", "-1", "--algorithms", "fedavg", "--out", str(tmp_path / "b")])
+    assert spent["rows"] == [] and spent["not_run"] == ["fedavg"]
+    assert "Not run" in (tmp_path / "b" / "gpu_algorithms.md").read_text()
