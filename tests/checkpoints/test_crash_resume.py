@@ -83,7 +83,8 @@ def _fedmeta(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
-def _finish(proc: subprocess.Popen, log: Path, timeout: float = 40) -> None:
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    """Wait for a CLI run (a hang guard, not a speed limit: under `-n 2` on 2 cores a 3-round run can take minutes)."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
