@@ -1,4 +1,5 @@
-"""Representation-space helpers of FedProto and FedDBE: the features a linear head reads, and per-class sums.
+"""Representation-space helpers of FedProto, FedDBE, FedPAC and FedAS: the features a linear head reads, per-class
+sums, and the server state of class prototypes.
 
 Both algorithms regularise the *representation* ``z = φ(x)``, the input of the model's last linear layer (the
 head ``h(z) = W z + b``; the body ``φ`` is everything before it). :func:`linear_head` finds that layer among the
@@ -25,7 +26,10 @@ from lightning_fedmeta import running_stats
 from lightning_fedmeta.algorithms.shared_representation import head_names
 from lightning_fedmeta.functional import ClientContext, Params
 
-__all__ = ["LinearHead", "linear_head", "features_and_logits", "class_sums"]
+__all__ = ["KNOWN", "PROTOTYPES", "LinearHead", "class_sums", "empty_prototypes", "features_and_logits", "linear_head"]
+
+#: server-state keys of class prototypes: ``prototypes`` ``[C, d]`` and ``known`` ``[C]`` (1 once class c has one)
+PROTOTYPES, KNOWN = "prototypes", "known"
 
 
 class LinearHead(NamedTuple):
@@ -74,3 +78,18 @@ def class_sums(z: Tensor, y: Tensor, mask: Tensor, num_classes: int) -> tuple[Te
     onehot = torch.nn.functional.one_hot(y.long(), num_classes).to(z.dtype) * mask.to(z.dtype).unsqueeze(-1)
     # an elementwise product and a sum, not a matmul: autocast leaves it in the features' precision
     return (onehot.unsqueeze(-1) * z.unsqueeze(1)).sum(0), onehot.sum(0)
+
+
+def empty_prototypes(params: Params, head: LinearHead, num_classes: int | None, algorithm: str) -> dict[str, Tensor]:
+    """No prototype yet: ``{prototypes: zeros [C, d], known: zeros [C]}`` in the head's dtype and device, after
+    checking that the head has one output per class (``num_classes``, from ``bind_clients``)."""
+    if num_classes is None:
+        raise RuntimeError(f"{algorithm}.init_server_state needs the number of classes: call "
+                           "bind_clients(clients, label_counts) first (FederatedModule.attach_data does)")
+    weight = params[head.weight]
+    if weight.shape[0] != num_classes:
+        raise ValueError(f"{algorithm} needs one output per class: the head has {weight.shape[0]} outputs, the data "
+                         f"{num_classes} classes")
+    like = {"dtype": weight.dtype, "device": weight.device}
+    return {PROTOTYPES: torch.zeros(weight.shape[0], weight.shape[1], **like),
+            KNOWN: torch.zeros(weight.shape[0], **like)}

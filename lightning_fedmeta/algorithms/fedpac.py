@@ -85,7 +85,15 @@ from lightning_fedmeta.algorithms.base import (
     phase_epochs,
     started_from,
 )
-from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
+from lightning_fedmeta.algorithms.feature_common import (
+    KNOWN,
+    PROTOTYPES,
+    LinearHead,
+    class_sums,
+    empty_prototypes,
+    features_and_logits,
+    linear_head,
+)
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.algorithms.shared_representation import check_head_prefix, head_names
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
@@ -94,8 +102,6 @@ from lightning_fedmeta.sampling import phase_lengths
 __all__ = ["FedPAC", "combination_weights", "feature_statistics", "project_to_simplex", "simplex_qp"]
 
 HEADS = "heads"
-PROTOTYPES = "prototypes"
-KNOWN = "known"
 
 
 def project_to_simplex(v: Tensor, allowed: Tensor | None = None) -> Tensor:
@@ -259,18 +265,12 @@ class FedPAC(Algorithm):
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """No prototype yet (``prototypes`` ``[C, d]`` and ``known`` ``[C]`` zeros); every client's head row a copy
         of the initial head (not read before the client has trained)."""
-        if self._num_classes is None or self._num_clients is None:
-            raise RuntimeError("FedPAC.init_server_state needs the numbers of classes and clients: call "
+        if self._num_clients is None:
+            raise RuntimeError("fedpac.init_server_state needs the number of clients: call "
                                "bind_clients(clients, label_counts) first (FederatedModule.attach_data does)")
-        weight = params[self.head(params).weight]
-        if weight.shape[0] != self._num_classes:
-            raise ValueError(f"fedpac needs one output per class: the head has {weight.shape[0]} outputs, the data "
-                             f"{self._num_classes} classes")
-        like = {"dtype": weight.dtype, "device": weight.device}
         _, head = self.split(params)
         k = self._num_clients
-        return {PROTOTYPES: torch.zeros(weight.shape[0], weight.shape[1], **like),
-                KNOWN: torch.zeros(weight.shape[0], **like),
+        return {**empty_prototypes(params, self.head(params), self._num_classes, self.name),
                 HEADS: {n: v.detach().unsqueeze(0).repeat(k, *([1] * v.dim())).clone() for n, v in head.items()}}
 
     def client_head(self, params: Params, server_state: dict[str, Any], client: ClientRecord) -> Params:

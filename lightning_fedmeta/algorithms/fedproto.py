@@ -46,7 +46,15 @@ from torch import Tensor
 from torch.func import grad_and_value
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
-from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
+from lightning_fedmeta.algorithms.feature_common import (
+    KNOWN,
+    PROTOTYPES,
+    LinearHead,
+    class_sums,
+    empty_prototypes,
+    features_and_logits,
+    linear_head,
+)
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.algorithms.shared_representation import check_head_prefix
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
@@ -54,8 +62,6 @@ from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zero
 __all__ = ["FedProto"]
 
 PERSONAL = "personal"
-PROTOTYPES = "prototypes"
-KNOWN = "known"
 
 
 class FedProto(PersonalModel):
@@ -100,16 +106,7 @@ class FedProto(PersonalModel):
 
     def init_server_state(self, params: Params) -> dict[str, Tensor]:
         """No prototype yet: ``prototypes`` ``[C, d]`` zeros, ``known`` ``[C]`` zeros."""
-        if self._num_classes is None:
-            raise RuntimeError("FedProto.init_server_state needs the number of classes: call "
-                               "bind_clients(clients, label_counts) first (FederatedModule.attach_data does)")
-        weight = params[self.head(params).weight]
-        if weight.shape[0] != self._num_classes:
-            raise ValueError(f"fedproto needs one output per class: the head has {weight.shape[0]} outputs, the "
-                             f"data {self._num_classes} classes")
-        like = {"dtype": weight.dtype, "device": weight.device}
-        return {PROTOTYPES: torch.zeros(weight.shape[0], weight.shape[1], **like),
-                KNOWN: torch.zeros(weight.shape[0], **like)}
+        return empty_prototypes(params, self.head(params), self._num_classes, self.name)
 
     # -- client -------------------------------------------------------------------------------
     def local_loss(
