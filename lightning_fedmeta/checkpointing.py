@@ -112,6 +112,8 @@ CHANGEABLE_MODEL_SETTINGS: dict[str, str] = {
     "client_batching": "how clients are executed (vmap or loop)",
     "client_chunk_size": "how many clients one vmap call runs",
     "compile_clients": "whether the client steps are compiled",
+    "step_schedule": "which clients run their local epochs together",
+    "cuda_graphs": "whether the client steps are replayed from CUDA graphs",
     "client_state": "where the client state rows are kept (memory or disk; the same values)",
     "client_state_dir": "the folder of the disk-backed client state",
 }

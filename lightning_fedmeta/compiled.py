@@ -43,8 +43,14 @@ from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.func import vmap
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from lightning_fedmeta.graphs import MAX_GRAPHS, CudaGraphs, GraphBackend, GraphedCall
+
 __all__ = [
     "AUTO_COMPILE_SECONDS",
+    "COMPILE_SAVING",
+    "PROGRAM_COMPILE_SECONDS",
+    "ZERO",
+    "client_buckets",
     "CompileStats",
     "PrimitiveCompiler",
     "describe_decision",
@@ -56,17 +62,27 @@ __all__ = [
 #: client computation. Compiling costs about 3–25 s once (warm or cold cache, benchmarks/results/speed.md)
 #: and makes rounds about 2–3× faster, so at this threshold it saves at least the time it costs.
 AUTO_COMPILE_SECONDS = 30.0
+#: the compile time of one program (one primitive at one bucket size) the "auto" decision budgets: 18–27 s measured
+#: for PFLlib's CNN step on this project's 2-core CPU machine (cold cache), 3–25 s for workload W
+PROGRAM_COMPILE_SECONDS = 20.0
+#: the fraction of eager client time compiling saves, at the least: the CNN's step went from 6 to 4 ms (1.5×)
+COMPILE_SAVING = 1 / 3
 
 
 def worth_compiling(
-    rounds_left: int | None, eager_round_seconds: float, threshold: float = AUTO_COMPILE_SECONDS
+    rounds_left: int | None, eager_round_seconds: float, threshold: float = AUTO_COMPILE_SECONDS, programs: int = 1
 ) -> bool:
-    """Whether ``rounds_left`` rounds of ``eager_round_seconds`` each reach ``threshold`` seconds of eager
-    client computation (an unknown number of rounds never compiles: eager is never wrong)."""
-    return rounds_left is not None and rounds_left * eager_round_seconds >= threshold
+    """Whether compiling pays: ``rounds_left`` rounds of ``eager_round_seconds`` each reach ``threshold`` seconds of
+    eager client computation, and the time saved, ``rounds_left·eager·COMPILE_SAVING``, covers compiling
+    ``programs`` programs (``programs·PROGRAM_COMPILE_SECONDS``). An unknown number of rounds never compiles: eager
+    is never wrong."""
+    if rounds_left is None:
+        return False
+    eager = rounds_left * eager_round_seconds
+    return eager >= threshold and eager * COMPILE_SAVING >= programs * PROGRAM_COMPILE_SECONDS
 
 
-def describe_decision(decision: bool, rounds_left: int | None, eager_round_seconds: float) -> str:
+def describe_decision(decision: bool, rounds_left: int | None, eager_round_seconds: float, programs: int = 1) -> str:
     """The log line of an automatic decision: what was measured and what follows."""
     ms = 1e3 * eager_round_seconds
     if rounds_left is None:
@@ -74,9 +90,34 @@ def describe_decision(decision: bool, rounds_left: int | None, eager_round_secon
                 "set compile_clients=true to compile them")
     total = rounds_left * eager_round_seconds
     verdict = "compiling the client steps" if decision else "the client steps stay eager"
-    sign = ">=" if decision else "<"
-    return (f"{verdict}: {rounds_left} rounds left x {ms:.0f} ms eager = {total:.0f} s {sign} "
-            f"{AUTO_COMPILE_SECONDS:.0f} s (set compile_clients=true/false to choose)")
+    return (f"{verdict}: {rounds_left} rounds left x {ms:.0f} ms eager = {total:.0f} s, saving about "
+            f"{total * COMPILE_SAVING:.0f} s against ~{programs * PROGRAM_COMPILE_SECONDS:.0f} s to compile {programs} "
+            f"program(s) (compiles when eager >= {AUTO_COMPILE_SECONDS:.0f} s and the saving covers the compile; "
+            "set compile_clients=true/false to choose)")
+
+
+class _Zero:
+    """The marker of an output that is zero on an empty batch (its shape and dtype those of the computed one)."""
+
+    def __repr__(self) -> str:
+        return "ZERO"
+
+
+#: in a primitive's empty-batch result (``empty`` of :meth:`PrimitiveCompiler.call`): "zeros like the computed output"
+ZERO = _Zero()
+
+
+def client_buckets(clients: int, whole: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """The sizes a compiled call of ``clients`` clients runs in: ``[clients]`` when it is one of the ``whole`` sizes
+    (the round's usual call, e.g. a full chunk), else its binary decomposition, largest first (``10 → [8, 2]``,
+    ``7 → [4, 2, 1]``). Compiled programs have static shapes; with these buckets every number of clients up to
+    ``2^k`` is served by at most ``k + 1`` programs per primitive (plus the whole sizes), so rounds of changing sizes
+    (step groups, compacted steps, dropout) never recompile into dynamo's limit."""
+    if clients < 1:
+        raise ValueError(f"client_buckets needs at least one client, got {clients}")
+    if clients in whole:
+        return [clients]
+    return [1 << bit for bit in range(clients.bit_length() - 1, -1, -1) if clients >> bit & 1]
 
 
 def only_client_vmap() -> bool:
@@ -95,6 +136,8 @@ class CompileStats:
     compiled_calls: int = 0
     eager_calls: int = 0
     failures: list[str] = field(default_factory=list)
+    graphs: int = 0  #: captured calls (one per primitive and shape)
+    replays: int = 0  #: calls served by replaying a captured graph
 
 
 class _Primitive:
@@ -117,16 +160,35 @@ class _Primitive:
 
     def batched(self, batch_size: int, in_dims: tuple[int | None, ...], leaves: tuple[Tensor, ...]) -> tuple[Any, Any]:
         """The primitive on all clients at once: every operand stacked along axis 0 (an operand shared by all
-        clients is repeated, so one program serves every call), results stacked along axis 0."""
-        stacked = _without_aliases(tuple(
-            self.owner._repeated(t, batch_size) if d is None else t.movedim(d, 0)
-            for t, d in zip(leaves, in_dims, strict=True)
-        ))
+        clients is repeated, so one program serves every call), results stacked along axis 0. Eager (the eager
+        path's own batching) when compiling is off (a compacted call)."""
 
         def eager() -> Any:  # the eager path's own batching of each operand: the eager numbers, bit for bit
             return vmap(self.per_client, in_dims=in_dims)(*leaves)
 
-        out = self.flat(self.owner._run(self, stacked, eager))
+        if not (self.owner.enabled or self.owner.graphs):
+            out = self.flat(eager())
+            return out, (0,) * len(out)
+        pieces = client_buckets(batch_size, self.owner.whole_sizes) if self.owner.enabled else [batch_size]
+        if len(pieces) == 1:
+            stacked = _without_aliases(tuple(
+                self.owner._repeated(t, batch_size) if d is None else t.movedim(d, 0)
+                for t, d in zip(leaves, in_dims, strict=True)
+            ))
+            out = self.flat(self.owner._run(self, stacked, eager))
+            return out, (0,) * len(out)
+        parts, start = [], 0
+        for size in pieces:  # one program per bucket size: a few shapes serve every number of clients
+            rows = slice(start, start + size)
+            sub = tuple(t if d is None else t.movedim(d, 0)[rows].contiguous()
+                        for t, d in zip(leaves, in_dims, strict=True))
+            sub_dims = tuple(None if d is None else 0 for d in in_dims)
+            stacked = _without_aliases(tuple(self.owner._repeated(t, size) if d is None else t
+                                             for t, d in zip(sub, sub_dims, strict=True)))
+            parts.append(self.flat(self.owner._run(
+                self, stacked, lambda sub=sub, sub_dims=sub_dims: vmap(self.per_client, in_dims=sub_dims)(*sub))))
+            start += size
+        out = tuple(torch.cat(column) for column in zip(*parts, strict=True))
         return out, (0,) * len(out)
 
 
@@ -146,8 +208,15 @@ class PrimitiveCompiler:
     static shapes give the fastest CPU kernels and the numbers do not depend on which other shapes were seen).
     """
 
-    def __init__(self, enabled: bool = False, backend: str = "inductor", skip_isa_probe: bool = True) -> None:
+    def __init__(self, enabled: bool = False, backend: str = "inductor", skip_isa_probe: bool = True,
+                 graphs: bool = False, graph_backend: GraphBackend | None = None) -> None:
         self.enabled = enabled
+        #: capture each batched primitive call (compiled or not) once per shape and replay it
+        #: (:mod:`lightning_fedmeta.graphs`; ``model.cuda_graphs``)
+        self.graphs = graphs
+        self.graph_backend: GraphBackend = graph_backend or CudaGraphs()
+        self._graphed: dict[Any, GraphedCall] = {}
+        self._graph_failed: set[Any] = set()
         self.backend = backend
         self.skip_isa_probe = skip_isa_probe
         self.stats = CompileStats()
@@ -158,13 +227,27 @@ class PrimitiveCompiler:
         self._modules: dict[int, list[nn.Module]] = {}
         self._repeats: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         self._inside = False
+        #: skip the clients whose batch is empty in calls that give their empty-batch result
+        #: (``step_schedule="compacted"``; set by the engine for each training round)
+        self.compact = False
+        #: client-steps a compacted call computed and skipped (the benchmark's count of padded work avoided)
+        self.compacted_steps = [0, 0]
+        #: client counts compiled as one program (the engine's usual call size); others run in binary buckets
+        self.whole_sizes: set[int] = set()
 
     # -- the context's entry point ---------------------------------------------------------------
-    def call(self, key: Any, fn: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+    def call(self, key: Any, fn: Callable[..., Any], operands: tuple[Any, ...],
+             empty: Callable[..., Any] | None = None, active: Tensor | None = None) -> Any:
         """``fn(*operands)`` for the current client, computed for all clients by the compiled program, or
         ``NotImplemented`` when this call must run eagerly (compiling off, not directly under the clients'
-        ``vmap``, an operand requiring grad, or already inside a compiled primitive)."""
-        if not self.enabled or self._inside or key in self._failed or not only_client_vmap():
+        ``vmap``, an operand requiring grad, or already inside a compiled primitive).
+
+        With :attr:`compact`, ``empty(*operands)`` (this client's result on an empty batch, :data:`ZERO` marking
+        zeros) and ``active`` (whether this client's batch holds a sample), only the active clients are computed
+        (compiled or eagerly) and the others get ``empty``'s result: a step a finished client would take on a
+        padded batch costs nothing."""
+        compacting = self.compact and empty is not None and active is not None
+        if not (self.enabled or self.graphs or compacting) or self._inside or key in self._failed or not only_client_vmap():
             return NotImplemented
         leaves, spec = tree_flatten(operands)
         if any(not isinstance(t, Tensor) for t in leaves):  # e.g. a number inside a dict: not batchable as is
@@ -178,10 +261,44 @@ class PrimitiveCompiler:
         if all(d is None for d in in_dims):  # nothing per client: one eager call serves all
             return NotImplemented
         primitive = _Primitive(self, key, fn, spec)
+        size = interpreter.batch_size()
+        if compacting:
+            assert active is not None and empty is not None
+            flags, flag_dim = _unwrap_batched(active, level)
+            flags = flags.expand(size) if flag_dim is None else flags.movedim(flag_dim, 0)
+            if not bool(flags.all()) and bool(flags.any()):
+                idle = tree_flatten(empty(*operands))[0]  # this client's empty-batch result, still under the vmap
+                idle_rows = [t if t is ZERO else _unwrap_batched(t, level) for t in idle]
+                with interpreter.lower():
+                    out = self._compacted(primitive, size, flags, in_dims, tuple(t for t, _ in unwrapped), idle_rows)
+                assert primitive.out_spec is not None
+                return tree_unflatten([_add_batch_dim(t, 0, level) for t in out], primitive.out_spec)
         with interpreter.lower():  # leave the clients' vmap: plain tensors with the clients stacked
-            out, _ = primitive.batched(interpreter.batch_size(), in_dims, tuple(t for t, _ in unwrapped))
+            out, _ = primitive.batched(size, in_dims, tuple(t for t, _ in unwrapped))
         assert primitive.out_spec is not None
         return tree_unflatten([_add_batch_dim(t, 0, level) for t in out], primitive.out_spec)
+
+    def _compacted(self, primitive: _Primitive, size: int, flags: Tensor, in_dims: tuple[int | None, ...],
+                   leaves: tuple[Tensor, ...], idle: list[Any]) -> list[Tensor]:
+        """The primitive on the active clients only (``flags``), scattered into the idle clients' results."""
+        index = flags.nonzero().squeeze(1)
+        chosen = tuple(t if d is None else t.index_select(d, index) for t, d in zip(leaves, in_dims, strict=True))
+        computed, _ = primitive.batched(index.numel(), in_dims, chosen)
+        self.compacted_steps[0] += index.numel()
+        self.compacted_steps[1] += size - index.numel()
+        if len(idle) != len(computed):
+            raise RuntimeError(f"the empty-batch result of primitive {primitive.key[0]!r} has {len(idle)} outputs, "
+                               f"the primitive {len(computed)}")
+        out = []
+        for done, rest in zip(computed, idle, strict=True):
+            if rest is ZERO:
+                base = done.new_zeros((size, *done.shape[1:]))
+            else:
+                t, d = rest
+                base = t.unsqueeze(0).expand(size, *t.shape) if d is None else t.movedim(d, 0)
+                base = base.to(done.dtype)
+            out.append(base.index_copy(0, index, done))
+        return out
 
     def new_call(self) -> None:
         """Forget the repeated copies of shared operands (called by the module before each batch of clients)."""
@@ -211,7 +328,7 @@ class PrimitiveCompiler:
 
     def _program(self, key: Any, fn: Callable[..., Any]) -> Callable[..., Any] | None:
         if key not in self._programs:
-            autocast = key[2]
+            autocast = key[0][2]
 
             def per_client(*leaves: Tensor) -> Any:
                 with _autocast(autocast):
@@ -247,18 +364,21 @@ class PrimitiveCompiler:
         self._inside = True
         try:
             key = (primitive.key, self._structure(primitive), _autocast_state(), self._training_flags(primitive.key))
-            program = self._program(key, primitive.per_client)
+            # one program (its own code object) per shape: dynamo never recompiles one, so no recompile limit
+            shape_key = (key, tuple((t.shape, t.dtype, t.device) for t in stacked))
+            if not self.enabled:  # captured only: the primitive batched over the stacked clients, uncompiled
+                return self._replayed(shape_key, primitive, vmap(primitive.per_client), stacked)
+            program = self._program(shape_key, primitive.per_client)
             if program is None:
                 self.stats.eager_calls += 1
                 return eager()
-            shape_key = (key, tuple((t.shape, t.dtype) for t in stacked))
             first = shape_key not in self._shapes
             t0 = time.perf_counter()
             try:
                 with self._inductor_options() if first else contextlib.nullcontext():
-                    out = program(*stacked)
+                    out = self._replayed(shape_key, primitive, program, stacked) if self.graphs else program(*stacked)
             except Exception as exc:  # a primitive torch.compile cannot handle: eager from now on
-                self._programs[key] = None
+                self._programs[shape_key] = None
                 reason = _reason(exc)
                 self.stats.failures.append(f"{primitive.key[0]}: {reason}")
                 warnings.warn(
@@ -277,6 +397,27 @@ class PrimitiveCompiler:
             return out
         finally:
             self._inside = False
+
+
+    def _replayed(self, shape_key: Any, primitive: _Primitive, program: Callable[..., Any],
+                  stacked: tuple[Any, ...]) -> Any:
+        """``program(*stacked)`` through its captured graph (captured on the first call of this shape; a call
+        that cannot be captured warns once and runs uncaptured from then on)."""
+        call = self._graphed.get(shape_key)
+        if call is None and shape_key not in self._graph_failed and len(self._graphed) < MAX_GRAPHS:
+            try:
+                call = self._graphed[shape_key] = GraphedCall(program, stacked, self.graph_backend)
+                self.stats.graphs += 1
+            except Exception as exc:  # e.g. an operation that synchronises with the host
+                self._graph_failed.add(shape_key)
+                reason = _reason(exc)
+                self.stats.failures.append(f"{primitive.key[0]} (graph capture): {reason}")
+                warnings.warn(f"the client primitive {primitive.key[0]!r} could not be captured as a CUDA graph "
+                              f"({reason}); it runs uncaptured. Set cuda_graphs=False to silence this.", stacklevel=3)
+        if call is None:
+            return program(*stacked)
+        self.stats.replays += 1
+        return call(*stacked)
 
 
 #: the guards a program keeps: each input tensor's metadata, and whether inputs are the same tensor

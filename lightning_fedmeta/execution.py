@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "run_clients", "ChunkReducer", "choose_batching", "training_chunk_size", "ClientBatching", "BatchingError",
-    "CPU_CONV_CHUNK",
+    "CPU_CONV_CHUNK", "AUTO_CHUNK",
 ]
 
 ClientBatching = Literal["auto", "vmap", "loop"]
@@ -169,16 +169,22 @@ CPU_CONV_CHUNK = 10
 _CONV_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def training_chunk_size(model: nn.Module, device: torch.device, requested: int | None) -> int | None:
-    """Clients per ``vmap`` call of a training round: ``requested`` (``None``: all at once), at most
-    :data:`CPU_CONV_CHUNK` for a model with convolution layers on the CPU.
+#: clients per ``vmap`` call under ``client_chunk_size="auto"`` (training on a GPU or without convolutions, evaluation)
+AUTO_CHUNK = 100
+
+
+def training_chunk_size(model: nn.Module, device: torch.device, requested: int | str | None) -> int | None:
+    """Clients per ``vmap`` call of a training round: ``requested`` as given (``None``: all at once); ``"auto"``:
+    :data:`CPU_CONV_CHUNK` for a model with convolution layers on the CPU, else :data:`AUTO_CHUNK`.
 
     The chunk size changes no number beyond floating-point reassociation (the clients are independent; tested
     in tests/engine/test_vision_models.py); it only changes speed and peak memory.
     """
-    if device.type != "cpu" or not any(isinstance(m, _CONV_LAYERS) for m in model.modules()):
-        return requested
-    return CPU_CONV_CHUNK if requested is None else min(requested, CPU_CONV_CHUNK)
+    if requested != "auto":
+        return None if requested is None else int(requested)
+    if device.type == "cpu" and any(isinstance(m, _CONV_LAYERS) for m in model.modules()):
+        return CPU_CONV_CHUNK
+    return AUTO_CHUNK
 
 
 def _unbatchable_layers(model: nn.Module) -> list[str]:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, jvp, vjp
 
 from lightning_fedmeta import running_stats
+from lightning_fedmeta.compiled import ZERO
 
 if TYPE_CHECKING:
     from lightning_fedmeta.compiled import PrimitiveCompiler
@@ -203,6 +204,7 @@ class ClientContext:
         self.model = model
         self.buffers = dict(buffers) if buffers is not None else dict(model.named_buffers())
         self.per_sample_loss = per_sample_loss
+        self._own_loss = per_sample_loss  # the loss compiled and compacted calls may use (see _dispatch)
         #: prepared BatchNorm layers with their names (empty: the plain functional_call path)
         self._layers = running_stats.tracked_layers(model)
         self._stat_names = running_stats.running_stat_names(model) if self._layers else []
@@ -262,27 +264,45 @@ class ClientContext:
             self._bound = {**self._bound, **stats}
 
     # -- compiled primitives ---------------------------------------------------------------------
-    def _dispatch(self, name: Any, impl: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+    def _dispatch(self, name: Any, impl: Callable[..., Any], operands: tuple[Any, ...],
+                  empty: Callable[..., Any] | None = None) -> Any:
         """``impl(*operands)``, through the compiled batched program when a
         :class:`~lightning_fedmeta.compiled.PrimitiveCompiler` is attached and may serve this call (see
         :mod:`lightning_fedmeta.compiled`), else eagerly. Python numbers among ``operands`` are static: part of
-        the program's key, not inputs. Contexts with prepared BatchNorm layers run eagerly."""
+        the program's key, not inputs. Contexts with prepared BatchNorm layers run eagerly.
+
+        ``empty(*operands)`` is the primitive's result on an empty batch (the operand at position 1 is the batch),
+        with :data:`~lightning_fedmeta.compiled.ZERO` for zeros: a compacting compiler (``step_schedule=
+        "compacted"``) computes only the clients whose batch holds a sample and gives the others this result."""
         compiler = self.compiler
-        if compiler is None or not compiler.enabled or self._layers:  # eager rounds pay nothing for the compiler
+        if compiler is None or self._layers or self.per_sample_loss is not self._own_loss:
+            # a loss replaced inside a client step (FedRoD's balanced softmax) may close over that client's tensors,
+            # which a call outside the clients' vmap cannot see: such calls run as they are
+            return impl(*operands)
+        compacting = compiler.compact and empty is not None
+        if not (compiler.enabled or compiler.graphs or compacting):  # eager rounds pay nothing for the compiler
             return impl(*operands)
         statics = tuple((i, o) for i, o in enumerate(operands) if o is None or isinstance(o, (bool, int, float, str)))
-        fn = impl
+        fn, idle = impl, empty
         if statics:
             fixed = dict(statics)
             tensors = tuple(o for i, o in enumerate(operands) if i not in fixed)
             n = len(operands)
 
-            def fn(*ops: Any) -> Any:
+            def _full(ops: tuple[Any, ...]) -> tuple[Any, ...]:
                 it = iter(ops)
-                return impl(*(fixed[i] if i in fixed else next(it) for i in range(n)))
+                return tuple(fixed[i] if i in fixed else next(it) for i in range(n))
+
+            def fn(*ops: Any) -> Any:
+                return impl(*_full(ops))
+
+            if empty is not None:
+                def idle(*ops: Any) -> Any:
+                    return empty(*_full(ops))
         else:
             tensors = operands
-        out = compiler.call((name, self, statics), fn, tensors)
+        active = has_samples(operands[1]) if compacting and isinstance(operands[1], Batch) else None
+        out = compiler.call((name, self, statics), fn, tensors, empty=idle, active=active)
         return impl(*operands) if out is NotImplemented else out
 
     def step(self, fn: Callable[..., Any], *operands: Any) -> Any:
@@ -295,10 +315,13 @@ class ClientContext:
         hyper-parameters) and of its closure are part of the program's key, so changing one compiles a new
         program instead of reusing a stale one. Built-in uses: Per-FedAvg's meta step, the proximal step.
         """
-        if self.compiler is None or not self.compiler.enabled or self._layers:
+        compiler = self.compiler
+        empty = getattr(fn, "empty_batch", None)
+        if compiler is None or self._layers or not (compiler.enabled or compiler.graphs
+                                                    or (compiler.compact and empty is not None)):
             return fn(self, *operands)  # eager: no program key, no context copy
         plain = self._uncompiled()
-        return self._dispatch(("step", *_function_key(fn)), lambda *ops: fn(plain, *ops), operands)
+        return self._dispatch(("step", *_function_key(fn)), lambda *ops: fn(plain, *ops), operands, empty)
 
     def _uncompiled(self) -> ClientContext:
         """This context without its compiler: what a compiled step's own primitive calls go through (they are
@@ -321,7 +344,7 @@ class ClientContext:
 
     def loss(self, params: Params, batch: Batch) -> Tensor:
         """Masked mean loss ``f(w; D)``."""
-        return self._dispatch("loss", self._loss, (params, batch))
+        return self._dispatch("loss", self._loss, (params, batch), _empty_loss)
 
     def _loss(self, params: Params, batch: Batch) -> Tensor:
         if self._layers:
@@ -338,7 +361,7 @@ class ClientContext:
     # -- derivatives --------------------------------------------------------------------------
     def grad(self, params: Params, batch: Batch) -> Params:
         """``∇f(w; D)`` by reverse mode (``torch.func.grad``)."""
-        return self._dispatch("grad", self._grad, (params, batch))
+        return self._dispatch("grad", self._grad, (params, batch), _empty_grad)
 
     def _grad(self, params: Params, batch: Batch) -> Params:
         if self._layers:
@@ -349,7 +372,7 @@ class ClientContext:
 
     def loss_and_grad(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
         """``(f(w; D), ∇f(w; D))`` in one backward pass."""
-        return self._dispatch("loss_and_grad", self._loss_and_grad, (params, batch))
+        return self._dispatch("loss_and_grad", self._loss_and_grad, (params, batch), _empty_loss_and_grad)
 
     def _loss_and_grad(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
         if self._layers:
@@ -392,7 +415,7 @@ class ClientContext:
     # -- steps --------------------------------------------------------------------------------
     def sgd_step(self, params: Params, batch: Batch, lr: float | Tensor) -> tuple[Params, Tensor]:
         """One SGD step ``w − lr ∇f(w; D)``; returns the new parameters and ``f(w; D)``."""
-        return self._dispatch("sgd_step", self._sgd_step, (params, batch, lr))
+        return self._dispatch("sgd_step", self._sgd_step, (params, batch, lr), _empty_sgd_step)
 
     def _sgd_step(self, params: Params, batch: Batch, lr: float | Tensor) -> tuple[Params, Tensor]:
         loss, g = self._loss_and_grad(params, batch)
@@ -408,3 +431,25 @@ class ClientContext:
         mask = batch.mask.to(per_sample.dtype)
         correct = ((logits.argmax(-1) == batch.y).to(per_sample.dtype) * mask).sum()
         return correct, mask.sum(), (per_sample * mask).sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# the primitives' results on an empty batch (a step a client does not take: ``step_schedule="compacted"``)
+# ----------------------------------------------------------------------------------------------
+def _empty_loss(params: Params, batch: Batch) -> Any:
+    """``f(w; ∅) = 0``: the masked mean over no sample (``Σ 0 / max(1, 0)``)."""
+    return ZERO
+
+
+def _empty_grad(params: Params, batch: Batch) -> Any:
+    """``∇f(w; ∅) = 0``: every per-sample term is multiplied by its mask, 0."""
+    return {k: ZERO for k in params}
+
+
+def _empty_loss_and_grad(params: Params, batch: Batch) -> Any:
+    return _empty_loss(params, batch), _empty_grad(params, batch)
+
+
+def _empty_sgd_step(params: Params, batch: Batch, lr: Any) -> Any:
+    """``(w − lr·0, 0) = (w, 0)``."""
+    return dict(params), _empty_loss(params, batch)

@@ -38,6 +38,7 @@ from lightning_fedmeta.evaluation import Evaluator, format_summary
 from lightning_fedmeta.execution import ClientBatching
 from lightning_fedmeta.facade import Forward
 from lightning_fedmeta.loop import CompilePolicy, Federation, RankSplit, RoundEngine, StoreLocation
+from lightning_fedmeta.loop.schedule import ScheduleMode
 from lightning_fedmeta.losses import DEFAULT_LOSS, PerSampleLoss, loss_name, resolve_loss
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics, MetricSpec
 from lightning_fedmeta.options import (
@@ -82,9 +83,9 @@ class FederatedModule(LightningModule):
         server_lr_scheduler: optional scheduler factory for the server optimizer, stepped every round.
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
         client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast);
-            ``None`` = all at once; training rounds of a model with convolutions on the CPU run at most
-            :data:`~lightning_fedmeta.execution.CPU_CONV_CHUNK` (10) per call (faster: its activations stay in
-            cache). Timings: benchmarks/results/speed.md.
+            ``None`` = all at once; ``"auto"`` (default) = 100, and for the training rounds of a model with
+            convolutions on the CPU :data:`~lightning_fedmeta.execution.CPU_CONV_CHUNK` (10; faster: its activations
+            stay in cache). A number you give is used as given. Timings: benchmarks/results/speed.md.
         compile_clients: ``torch.compile`` the client context's primitives (``sgd_step``, ``loss_and_grad``,
             ``grad``, ``hvp``, ``loss``, ``predict``), each once, batched over the clients and reused for every
             local step (:mod:`lightning_fedmeta.compiled`; vmap path only). ``"auto"`` (default) compiles the
@@ -94,6 +95,17 @@ class FederatedModule(LightningModule):
             ranks); evaluation stays eager. ``True`` compiles training and evaluation from the first round;
             ``False`` never compiles. Compiled and eager steps agree to rounding. Timings:
             benchmarks/results/speed.md.
+        step_schedule: under ``local_epochs``, how clients with different step counts run
+            (:mod:`lightning_fedmeta.loop.schedule`): ``"auto"`` (default) partitions the round into the groups
+            of least time under a cost model measured on the model and device (a step's fixed latency against its
+            per-client cost; one group on a GPU, groups of similar step counts on a CPU), ``"grouped"`` (groups
+            with at most ~10 % padded steps), ``"lockstep"`` (one group, finished clients masked) or
+            ``"compacted"`` (one group, each step computing only the clients that still have a batch). The same
+            numbers under each, to rounding; the measured cost is checkpointed.
+        cuda_graphs: capture each batched client primitive (a local step, a prediction) once per shape as a CUDA
+            graph and replay it (:mod:`lightning_fedmeta.graphs`): a small model's step costs one launch instead of
+            a chain of ~100. ``"auto"`` (default): on a CUDA device with batched clients; ``True`` also refuses a
+            run that is not on a GPU; ``False`` never. Replays give the uncaptured call's numbers.
         holdout_clients: clients never sampled in training (count, or fraction in [0, 1)); they
             are evaluated separately as new clients.
         seed: seed of client sampling and mini-batch draws (independent of the data seed).
@@ -154,8 +166,10 @@ class FederatedModule(LightningModule):
         server_optimizer: OptimizerCallable | None = None,
         server_lr_scheduler: LRSchedulerCallable | None = None,
         client_batching: ClientBatching = "auto",
-        client_chunk_size: int | None = 100,
+        client_chunk_size: int | Literal["auto"] | None = "auto",
         compile_clients: bool | Literal["auto"] = "auto",
+        step_schedule: ScheduleMode = "auto",
+        cuda_graphs: bool | Literal["auto"] = "auto",
         holdout_clients: int | float = 0,
         seed: int = 0,
         loss: str | nn.Module | Callable[[Tensor, Tensor], Tensor] | None = None,
@@ -180,7 +194,7 @@ class FederatedModule(LightningModule):
             clients_per_round=clients_per_round, fraction=fraction, aggregation=aggregation, server_lr=server_lr,
             factories={"server_optimizer": server_optimizer, "server_lr_scheduler": server_lr_scheduler},
             client_batching=client_batching, client_chunk_size=client_chunk_size, client_state=client_state,
-            client_state_dir=client_state_dir,
+            client_state_dir=client_state_dir, step_schedule=step_schedule,
         )
         loss = resolve_loss_option(loss)
         if metrics is not None:
@@ -196,6 +210,7 @@ class FederatedModule(LightningModule):
         self.server_lr_scheduler = server_lr_scheduler
         self.client_batching, self.client_chunk_size, self.compile_clients = (client_batching, client_chunk_size,
                                                                               compile_clients)
+        self.step_schedule, self.cuda_graphs = step_schedule, cuda_graphs
         self.holdout_clients, self.seed, self.loss = holdout_clients, seed, loss
         self.metrics = dict(metrics) if metrics is not None else None
         self.client_dropout, self.over_selection = client_dropout, over_selection
@@ -204,8 +219,8 @@ class FederatedModule(LightningModule):
         self.client_state, self.compression = client_state, compression
         self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
         federation = Federation(seed, clients_per_round, fraction, holdout_clients, aggregation, self.reliability)
-        self.engine = RoundEngine(built, federation, client_batching, client_chunk_size, CompilePolicy(compile_clients),
-                                  StoreLocation(client_state, self.client_state_dir))
+        self.engine = RoundEngine(built, federation, client_batching, client_chunk_size, CompilePolicy(compile_clients, cuda_graphs),
+                                  StoreLocation(client_state, self.client_state_dir), step_schedule)
         self.engine.model = model
         self.evaluator = Evaluator(self.engine)
         if self.reliability.dp is not None:  # the clipping norm C (adaptive clipping changes it): checkpointed

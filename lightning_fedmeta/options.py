@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.loop.schedule import SCHEDULES
 from lightning_fedmeta.losses import LOSSES, PerSampleLoss
 from lightning_fedmeta.metrics import BUILTIN_METRICS, MetricSpec
 from lightning_fedmeta.models import default_model
@@ -138,8 +139,8 @@ def resolve_loss_option(loss: Any) -> Any:
 
 
 def check_options(*, clients_per_round: int | None, fraction: float | None, aggregation: str, server_lr: float,
-                  factories: Mapping[str, Any], client_batching: str, client_chunk_size: int | None,
-                  client_state: str, client_state_dir: Any) -> int | None:
+                  factories: Mapping[str, Any], client_batching: str, client_chunk_size: int | str | None,
+                  client_state: str, client_state_dir: Any, step_schedule: str = "auto") -> int | None:
     """Refuse impossible module options; returns ``clients_per_round`` (10 when neither it nor ``fraction``)."""
     if fraction is not None and clients_per_round is not None:
         raise ValueError(f"give clients_per_round or fraction, not both (got clients_per_round={clients_per_round!r}, "
@@ -160,8 +161,11 @@ def check_options(*, clients_per_round: int | None, fraction: float | None, aggr
             raise ValueError(f"{label} must be a callable (a torch.optim factory), got {factory!r}")
     if client_batching not in ("auto", "vmap", "loop"):
         raise ValueError(f"client_batching must be 'auto', 'vmap' or 'loop', got {client_batching!r}")
-    if client_chunk_size is not None and client_chunk_size < 1:
-        raise ValueError(f"client_chunk_size must be >= 1, got {client_chunk_size!r}")
+    if client_chunk_size is not None and client_chunk_size != "auto" and (
+            isinstance(client_chunk_size, bool) or not isinstance(client_chunk_size, int) or client_chunk_size < 1):
+        raise ValueError(f"client_chunk_size must be an integer >= 1, 'auto' or null, got {client_chunk_size!r}")
+    if step_schedule not in SCHEDULES:
+        raise ValueError(f"step_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {step_schedule!r}")
     if client_state not in ("auto", "memory", "disk"):
         raise ValueError(f"model.client_state must be 'auto', 'memory' or 'disk', got {client_state!r}")
     if client_state_dir is not None and not isinstance(client_state_dir, str | os.PathLike):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_fedmeta.compiled import ZERO
 from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples
 
 __all__ = ["local_sgd", "mean_over_taken_steps", "prox_sgd", "prox_step"]
@@ -76,3 +77,12 @@ def prox_step(
     loss, g = ctx.loss_and_grad(w, batch)
     rate = lr * has_samples(batch).to(loss.dtype)
     return {k: w[k] - rate * (g[k] + coef * (w[k] - centre[k])) for k in w}, loss
+
+
+def _prox_step_on_empty_batch(w: Params, batch: Batch, lr: float | Tensor, coef: float | Tensor,
+                              centre: Params) -> tuple[Params, object]:
+    """:func:`prox_step` on an empty batch: the rate is 0, so ``(w, 0)`` (a compacted round skips such steps)."""
+    return dict(w), ZERO
+
+
+prox_step.empty_batch = _prox_step_on_empty_batch  # type: ignore[attr-defined]

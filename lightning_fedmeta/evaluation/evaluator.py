@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.evaluation.fairness import summaries_with_spread
 from lightning_fedmeta.evaluation.scoring import score_client
-from lightning_fedmeta.execution import run_clients
+from lightning_fedmeta.execution import AUTO_CHUNK, run_clients
 from lightning_fedmeta.functional import Batch, Params
 from lightning_fedmeta.loop.engine import RoundEngine
 from lightning_fedmeta.loop.ranks import RankSplit
@@ -68,8 +68,11 @@ class Evaluator:
                             self.metric.builtin_functions(), self.metric.needs_outputs)
 
     def chunk_size(self) -> int:
-        """``client_chunk_size``, or ``max(clients per round, 100)`` when that is ``None``."""
-        return self.engine.client_chunk_size or max(self.engine.federation.num_sampled, 100)
+        """``client_chunk_size``: 100 when ``"auto"``, ``max(clients per round, 100)`` when ``None``."""
+        size = self.engine.client_chunk_size
+        if size == "auto":
+            return AUTO_CHUNK
+        return int(size) if size is not None else max(self.engine.federation.num_sampled, AUTO_CHUNK)
 
     def chunks(self, clients: Tensor) -> list[Tensor]:
         """``clients`` cut into the consecutive chunks ``run_clients`` forms (so streaming is bit-identical)."""

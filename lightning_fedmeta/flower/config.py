@@ -43,7 +43,7 @@ UNSUPPORTED_OPTIONS: dict[str, str] = {
 }
 
 #: model options that only choose how a simulation computes (ignored by a deployment)
-EXECUTION_OPTIONS = ("client_batching", "client_chunk_size", "compile_clients")
+EXECUTION_OPTIONS = ("client_batching", "client_chunk_size", "compile_clients", "step_schedule", "cuda_graphs")
 
 _MODULE_OPTIONS = (
     "clients_per_round", "fraction", "aggregation", "server_lr", "holdout_clients", "seed", "loss", "metrics",
@@ -234,7 +234,8 @@ def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> None:
     check_options(
         clients_per_round=model.get("clients_per_round"), fraction=model.get("fraction"),
         aggregation=model.get("aggregation", "samples"), server_lr=server_lr, factories={},
-        client_batching=model.get("client_batching", "auto"), client_chunk_size=model.get("client_chunk_size", 100),
+        client_batching=model.get("client_batching", "auto"), client_chunk_size=model.get("client_chunk_size", "auto"),
+        step_schedule=model.get("step_schedule", "auto"),
         client_state="auto", client_state_dir=None,
     )
     metrics = model.get("metrics")

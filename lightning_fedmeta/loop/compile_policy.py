@@ -10,9 +10,12 @@ a resumed run rounds as before, and under several processes rank 0's decision is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_info
+
+if TYPE_CHECKING:
+    import torch
 
 from lightning_fedmeta.compiled import PrimitiveCompiler, describe_decision, worth_compiling
 
@@ -22,33 +25,45 @@ __all__ = ["CompilePolicy"]
 class CompilePolicy:
     """Owns the :class:`~lightning_fedmeta.compiled.PrimitiveCompiler` and switches it per phase."""
 
-    def __init__(self, mode: bool | Literal["auto"]) -> None:
+    def __init__(self, mode: bool | Literal["auto"], graphs: bool | Literal["auto"] = "auto") -> None:
         if mode not in (True, False, "auto"):
             raise ValueError(f"compile_clients must be true, false or 'auto', got {mode!r}")
+        if graphs not in (True, False, "auto"):
+            raise ValueError(f"cuda_graphs must be true, false or 'auto', got {graphs!r}")
         self.mode = mode
+        #: ``model.cuda_graphs``: capture the batched client primitives as CUDA graphs ("auto": on a CUDA device)
+        self.graphs_mode = graphs
         #: compiles the client primitives; switched on for training by ``True`` or by the "auto" decision
         self.compiler = PrimitiveCompiler(enabled=mode is True)
         #: "auto": whether this run compiles its training steps (None until decided; checkpointed)
         self.decision: bool | None = None if mode == "auto" else bool(mode)
         self.eager_rounds_timed = 0
 
+    def place(self, device: torch.device, batching: str) -> None:
+        """Switch graph capture for the device the clients run on (:mod:`lightning_fedmeta.graphs`)."""
+        if self.graphs_mode is True and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this run's clients are on {device.type!r} "
+                             "(use cuda_graphs='auto', which captures only on a GPU)")
+        self.compiler.graphs = bool(self.graphs_mode) and device.type == "cuda" and batching == "vmap"
+
     def deciding(self, batching: str) -> bool:
         """Whether this round's eager time is to be measured for the "auto" decision."""
         return self.decision is None and batching == "vmap"
 
     def observe(self, rounds_left: int | None, eager_seconds: float,
-                broadcast: Callable[[bool], bool] | None = None) -> None:
-        """One eager round took ``eager_seconds``: after the fit's second (the first carries one-time costs),
-        decide (rank 0 decides for all ranks through ``broadcast``)."""
+                broadcast: Callable[[Any], Any] | None = None, programs: int = 1) -> None:
+        """One eager round took ``eager_seconds`` and would need ``programs`` compiled programs (its bucket sizes,
+        :func:`~lightning_fedmeta.compiled.client_buckets`): after the fit's second round (the first carries
+        one-time costs), decide (rank 0 decides for all ranks through ``broadcast``)."""
         self.eager_rounds_timed += 1
         if self.eager_rounds_timed < 2:
             return
-        decision = worth_compiling(rounds_left, eager_seconds)
+        decision = worth_compiling(rounds_left, eager_seconds, programs=programs)
         if broadcast is not None:
             decision = bool(broadcast(decision))
         self.decision = decision
         rank_zero_info(f"[lightning_fedmeta] compile_clients='auto': "
-                       f"{describe_decision(decision, rounds_left, eager_seconds)}")
+                       f"{describe_decision(decision, rounds_left, eager_seconds, programs)}")
 
     def for_training(self) -> PrimitiveCompiler:
         self.compiler.enabled = bool(self.decision)
@@ -57,6 +72,7 @@ class CompilePolicy:
 
     def for_evaluation(self) -> PrimitiveCompiler:
         self.compiler.enabled = self.mode is True  # "auto" compiles training only
+        self.compiler.compact = False  # evaluation batches are never empty steps of a schedule
         self.compiler.new_call()
         return self.compiler
 

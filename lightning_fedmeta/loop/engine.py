@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, weighted_mean_metrics
 from lightning_fedmeta.attacks import flip_labels
 from lightning_fedmeta.communication import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
+from lightning_fedmeta.compiled import client_buckets
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.dp_draws import DPDraws, SecretDraws
 from lightning_fedmeta.execution import choose_batching, run_clients, training_chunk_size
@@ -45,9 +46,9 @@ from lightning_fedmeta.loop.compile_policy import CompilePolicy
 from lightning_fedmeta.loop.compress import CompressionStage
 from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer, regroup
-from lightning_fedmeta.loop.grouping import GROUP_RATIO, step_groups
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
+from lightning_fedmeta.loop.schedule import ScheduleMode, StepCost, StepSchedule, fit_step_cost_points, time_calls
 from lightning_fedmeta.loop.server import (
     ServerPipeline,
     apply_server_step,
@@ -81,14 +82,17 @@ class RoundEngine:
         algorithm: the algorithm (its three pure functions and state spec).
         federation: who takes part (:class:`~lightning_fedmeta.loop.federation.Federation`).
         client_batching: ``"auto"``, ``"vmap"`` or ``"loop"``.
-        client_chunk_size: clients per ``vmap`` call (``None``: all at once).
+        client_chunk_size: clients per ``vmap`` call (``None``: all at once; ``"auto"``:
+            :func:`~lightning_fedmeta.execution.training_chunk_size`).
         compile_policy: when the client steps are compiled.
         store: where the client state rows live (``model.client_state``).
+        step_schedule: how clients with different step counts run under ``local_epochs``
+            (:mod:`~lightning_fedmeta.loop.schedule`): ``"auto"``, ``"grouped"``, ``"lockstep"`` or ``"compacted"``.
     """
 
     def __init__(self, algorithm: Algorithm, federation: Federation, client_batching: str = "auto",
-                 client_chunk_size: int | None = 100, compile_policy: CompilePolicy | None = None,
-                 store: StoreLocation | None = None) -> None:
+                 client_chunk_size: int | str | None = "auto", compile_policy: CompilePolicy | None = None,
+                 store: StoreLocation | None = None, step_schedule: ScheduleMode = "auto") -> None:
         self.algorithm = algorithm
         self.federation = federation
         self.reliability = federation.reliability
@@ -107,13 +111,15 @@ class RoundEngine:
         self.model: nn.Module | None = None
         self.batching = "loop"
         self.validated: set[str] = set()  # outputs validated on the first round with this data
+        self._broadcast: Callable[[Any], Any] | None = None  # rank 0's value to every rank (set by run_round)
+        self._round_programs = 1  # compiled programs per primitive the last round's calls would use
         self.draws: DPDraws | None = None  # DP's secret draws (model.dp.secure_mode), set when a fit starts
         self._last: RoundResult | None = None  # for the (clients, output, weights) form of compute / commit
         self.codec: Codec = PlainCodec()  # how the exchanged tensors are encoded (bytes counted per round)
         self.traffic = TrafficCounter()  # cumulative bytes, checkpointed
-        #: under ``local_epochs``, run the round's clients in groups of similar step counts (False: one group,
-        #: every client padded to the round's longest; the numbers are the same, only the padding differs)
-        self.step_grouping = True
+        #: under ``local_epochs``, which clients run together (:mod:`~lightning_fedmeta.loop.schedule`; the numbers
+        #: are the same under every schedule, only the padding and the sequential steps differ)
+        self.schedule = StepSchedule(step_schedule)
         #: stream the aggregate of rounds whose rule is the default weighted mean (:mod:`~lightning_fedmeta.loop.
         #: streaming`): each chunk's weighted updates are summed as it is computed (False: every update stacked)
         self.stream_aggregate = True
@@ -166,6 +172,38 @@ class RoundEngine:
         return ClientContext(self.model, dict(self.model.named_buffers()), per_sample_loss=self.per_sample_loss,
                              compiler=self.compile.compiler if self.batching == "vmap" else None)
 
+    def measure_step_cost(self, clients: int, batch_size: int | None,
+                          broadcast: Callable[[Any], Any] | None = None) -> StepCost | None:
+        """Measure the cost model of ``step_schedule="auto"`` (:class:`~lightning_fedmeta.loop.schedule.StepCost`)
+        on this model and device: the fastest of 3 eager batched ``loss_and_grad`` calls on a batch of the training
+        pool's first ``batch_size`` rows, for 1, about half and all of ``min(clients, chunk)`` clients, fitted by
+        least squares to ``a + b·n``. Under several processes rank 0's measurement is used by every rank
+        (``broadcast``). ``None`` (and "grouped" stays) when fewer than 2 clients run together."""
+        assert self.model is not None and self.data is not None
+        chunk = self.training_chunk
+        most = clients if chunk is None else min(clients, chunk)
+        cost = None
+        if most >= 2:
+            rows_ = min(int(self.data.train_x.shape[0]), batch_size or int(self.data.train_counts.max()))
+            x, y = self.data.train_x[:rows_], self.data.train_y[:rows_]
+            ctx = ClientContext(self.model, dict(self.model.named_buffers()), per_sample_loss=self.per_sample_loss)
+            params = self.global_params()
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+
+            def seconds(n: int) -> float:
+                stacked = {k: v.unsqueeze(0).expand(n, *v.shape).contiguous() for k, v in params.items()}
+                batch = Batch(x.unsqueeze(0).expand(n, *x.shape), y.unsqueeze(0).expand(n, *y.shape),
+                              torch.ones(n, rows_, device=x.device))
+                step = torch.func.vmap(ctx.loss_and_grad)
+                return time_calls(lambda: step(stacked, batch), sync=sync)
+
+            sizes = sorted({1, max(1, (most + 1) // 2), most})
+            cost = fit_step_cost_points([(n, seconds(n)) for n in sizes])
+        if broadcast is not None:
+            state = broadcast(None if cost is None else cost.state())
+            cost = StepCost.from_state(state)
+        return cost
+
     def place(self, device: torch.device) -> None:
         """Move data and every client's state to ``device``; the context is rebuilt (a compiled step keeps its
         graph as long as the device does not change)."""
@@ -178,6 +216,7 @@ class RoundEngine:
         self.compression.to(device)
         self.server_state = map_state(lambda v: v.to(device), self.server_state)
         self.gatherer.place(self.data, device)
+        self.compile.place(device, self.batching)
         self.ctx = self.make_context()
 
     def global_params(self) -> Params:
@@ -224,10 +263,9 @@ class RoundEngine:
         sampled client answers. With ``stream`` (:meth:`streams_round`) the updates are summed chunk by chunk
         (:class:`~lightning_fedmeta.loop.streaming.DeltaSum`) and the result holds ``Σ w_i Δ_i`` as one row.
 
-        Under ``local_epochs`` the clients take different numbers of steps ``s_c``: they run in groups of similar
-        ``s_c`` (:func:`~lightning_fedmeta.loop.grouping.step_groups`; one group when :attr:`step_grouping` is
-        off), each group's batches drawn with its longest ``s_c`` as the step axis, and the outputs are put back
-        in the round's client order."""
+        Under ``local_epochs`` the clients take different numbers of steps ``s_c``: they run in the groups of
+        :attr:`schedule` (:mod:`~lightning_fedmeta.loop.schedule`), each group's batches drawn with its longest
+        ``s_c`` as the step axis, and the outputs are put back in the round's client order."""
         sampled = self.federation.round_clients(round_idx)
         if sampled.numel() == 0:
             return None
@@ -239,11 +277,16 @@ class RoundEngine:
         if plan.epochs is None:
             groups = [torch.arange(local.numel())]
         else:
-            groups = step_groups(local_steps, GROUP_RATIO if self.step_grouping else 0.0)
-        self.compile.for_training()
+            if self.schedule.needs_cost(self.batching):
+                self.schedule.cost = self.measure_step_cost(local.numel(), plan.batch_size, self._broadcast)
+            groups = self.schedule.groups(local_steps, self.batching, self.training_chunk)
+        self.compile.for_training().compact = self.schedule.compacts and plan.epochs is not None
         weights = self.federation.weights(sampled, self.device)
         summed = DeltaSum(weights, lambda at, chunk: self._check_chunk(round_idx, sampled[at], chunk)) \
             if stream else None
+        usual = sampled.numel() if self.training_chunk is None else min(sampled.numel(), self.training_chunk)
+        self.compile.compiler.whole_sizes = {usual}  # the round's full call: one program, one call
+        self._round_programs = self._programs_needed(groups)
         parts = [self._run_group(round_idx, local[g], local_steps[g], plan,
                                  None if summed is None else summed.for_positions(g)) for g in groups]
         out, buffers = parts[0] if len(parts) == 1 else regroup(parts, groups)
@@ -256,6 +299,20 @@ class RoundEngine:
         result = RoundResult(round_idx, sampled, out, weights, steps, buffers, residual, delta_summed=stream)
         self._last = result
         return result
+
+    def _programs_needed(self, groups: list[Tensor]) -> int:
+        """How many compiled programs per primitive this round's batched calls would use: the distinct bucket sizes
+        (:func:`~lightning_fedmeta.compiled.client_buckets`) of its vmap calls (the "auto" compile decision's cost;
+        under ``"compacted"`` the calls shrink as clients finish: every size up to the chunk counts)."""
+        chunk = self.training_chunk
+        sizes: set[int] = set()
+        for g in groups:
+            n = g.numel()
+            calls = [n] if chunk is None else [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+            for size in calls:
+                sizes.update(range(1, size + 1) if self.schedule.compacts else [size])
+        whole = self.compile.compiler.whole_sizes
+        return len({piece for size in sizes for piece in client_buckets(size, whole)})
 
     def _validate(self, out: ClientOutput, num_clients: int) -> None:
         """The client-output contract, checked on the first output of a run (later rounds cost nothing)."""
@@ -372,10 +429,11 @@ class RoundEngine:
         self._last = None
 
     def run_round(self, round_idx: int, optimizer: Any, *, clip: Tensor | None = None,
-                  rounds_left: int | None = None, broadcast: Callable[[bool], bool] | None = None) -> RoundReport:
+                  rounds_left: int | None = None, broadcast: Callable[[Any], Any] | None = None) -> RoundReport:
         """The whole round: compute → combine → step → commit. ``clip`` is the DP clipping norm (a tensor the
         adaptive rule updates in place); ``rounds_left`` and ``broadcast`` serve ``compile_clients="auto"``."""
         assert self.model is not None and self.data is not None
+        self._broadcast = broadcast
         deciding = self.compile.deciding(self.batching)
         started = time.perf_counter()
         result = self.compute(round_idx, stream=self.streams_round())
@@ -386,7 +444,7 @@ class RoundEngine:
             return replace(self._skip(round_idx, optimizer, "no sampled client answered (client_dropout)"),
                            traffic=traffic)
         if deciding:
-            self.compile.observe(rounds_left, time.perf_counter() - started, broadcast)
+            self.compile.observe(rounds_left, time.perf_counter() - started, broadcast, self._round_programs)
         if not result.delta_summed:  # a streamed round checked each chunk before summing it
             check_outputs_finite(result, self.data.client_names, self.algorithm)
         uploads = self.combine(result, math.inf if clip is None else float(clip))
@@ -471,6 +529,7 @@ class RoundEngine:
             "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
             **self.federation.state_dict(),
             **self.compile.state_dict(),
+            **self.schedule.state_dict(),
             **({"compression_residual": self.compression.checkpoint_state(round_idx)}
                if self.compression.keeps_residual else {}),
             "traffic": self.traffic.state_dict(),
@@ -487,6 +546,7 @@ class RoundEngine:
             )
         self.federation.load_state_dict(saved)
         self.compile.load_state_dict(saved)
+        self.schedule.load_state_dict(saved)
         self.compression.load_state_dict(saved.get("compression_residual"), self.store)
         self.traffic.load_state_dict(saved.get("traffic"))
         if self.data is not None:

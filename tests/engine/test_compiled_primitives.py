@@ -16,7 +16,14 @@ from torch import nn
 from torch.func import vmap
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.compiled import AUTO_COMPILE_SECONDS, PrimitiveCompiler, describe_decision, worth_compiling
+from lightning_fedmeta.compiled import (
+    AUTO_COMPILE_SECONDS,
+    COMPILE_SAVING,
+    PROGRAM_COMPILE_SECONDS,
+    PrimitiveCompiler,
+    describe_decision,
+    worth_compiling,
+)
 from lightning_fedmeta.functional import Batch, ClientContext
 from tests.conftest import run_plain_rounds
 from tests.helpers import fit, tiny_data, tiny_datamodule, tiny_module
@@ -153,7 +160,11 @@ def test_train_and_eval_mode_are_different_programs() -> None:
 def test_auto_decision_rule() -> None:
     assert worth_compiling(1000, 0.25)  # 250 s of eager client time
     assert not worth_compiling(100, 0.05)  # 5 s
-    assert worth_compiling(10, AUTO_COMPILE_SECONDS / 10)
+    assert not worth_compiling(10, AUTO_COMPILE_SECONDS / 10)  # 30 s eager saves ~10 s: less than one compile
+    seconds = PROGRAM_COMPILE_SECONDS / COMPILE_SAVING  # eager time whose saving pays exactly one program
+    assert worth_compiling(1, seconds) and not worth_compiling(1, seconds, programs=2)
+    # issue 38: 3 rounds of PFLlib's Dir(0.1) column (~30 s eager, buckets 8 + 2 + 1): eager; 2000 rounds: compile
+    assert not worth_compiling(1, 30.0, programs=3) and worth_compiling(1998, 30.0, programs=3)
     assert not worth_compiling(None, 10.0)  # unknown length: eager is never wrong
     assert "compiling" in describe_decision(True, 1000, 0.25) and "1000 rounds" in describe_decision(True, 1000, 0.25)
     assert "stay eager" in describe_decision(False, None, 0.25)
@@ -179,7 +190,7 @@ def test_auto_stays_eager_for_a_short_run_and_the_decision_is_kept_in_the_checkp
 
 
 def test_auto_compiles_a_run_long_enough_to_pay_for_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    always = lambda left, seconds: worth_compiling(left, seconds, 0.0)  # noqa: E731
+    always = lambda left, seconds, programs=1: left is not None  # noqa: E731
     monkeypatch.setattr("lightning_fedmeta.loop.compile_policy.worth_compiling", always)
     module = _fit(tmp_path, 4)
     assert module.compile_decision is True

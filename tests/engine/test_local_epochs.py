@@ -184,6 +184,8 @@ def test_step_groups_bound_the_padding_and_cover_every_client_once() -> None:
 # the engine: looped == batched == ungrouped; real steps; refusals
 # ----------------------------------------------------------------------------------------------
 SIZES = [3, 25, 9, 40, 14, 5, 31, 11]
+#: the executions whose numbers must agree: looped, and batched under each explicit schedule (loop/schedule.py)
+SCHEDULE_RUNS = (("loop", "grouped"), ("vmap", "grouped"), ("vmap", "lockstep"), ("vmap", "compacted"))
 
 
 @pytest.mark.parametrize("algorithm", [{"name": "fedavg"}, {"name": "scaffold"}, {"name": "fedprox", "mu": 0.1}])
@@ -191,11 +193,10 @@ def test_a_fit_with_local_epochs_is_the_same_looped_batched_and_ungrouped(algori
     """Three rounds of 4 of 8 unequal clients (3 to 40 rows, B = 4, E = 2, finetune_epochs = 1 for the evaluation):
     the global parameters and the clients' states agree to 1e-5 across the three executions."""
     finals = []
-    for batching, grouping in (("loop", True), ("vmap", True), ("vmap", False)):
+    for batching, schedule in SCHEDULE_RUNS:
         m = _module({**algorithm, "local_epochs": 2, "finetune_epochs": 1, "batch_size": 4, "local_lr": 0.1},
-                    sizes=SIZES, batching=batching)
+                    sizes=SIZES, batching=batching, step_schedule=schedule)
         m.engine.federation.num_sampled = 4
-        m.engine.step_grouping = grouping
         for r in range(3):
             m.engine.run_round(r, torch.optim.SGD(m.model.parameters(), lr=1.0))
         finals.append((m.engine.global_params(), m.engine.client_states.tensors, m.engine._last.steps))

@@ -14,7 +14,7 @@ from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Batch
 from lightning_fedmeta.registry import load_algorithm
 from lightning_fedmeta.sampling import epoch_steps
-from tests.engine.test_local_epochs import SIZES, _assert_trees_close, _module
+from tests.engine.test_local_epochs import SCHEDULE_RUNS, SIZES, _assert_trees_close, _module
 
 pytest.importorskip("fedmeta_pfedme")
 
@@ -47,15 +47,14 @@ def _personalized(m, round_idx: int):
 ])
 def test_a_fit_with_local_epochs_is_the_same_looped_batched_and_ungrouped(algorithm: dict) -> None:
     """Three rounds of 4 of 8 unequal clients (3 to 40 rows, B = 4, E = 2, finetune_epochs = 1): the global
-    parameters, the clients' states and every client's evaluation model agree to 1e-5 across loop, vmap in step
-    groups and vmap in one group; the round's step counts are E·⌈n_c/B⌉."""
+    parameters, the clients' states and every client's evaluation model agree to 1e-5 across loop and every vmap
+    schedule (grouped, lockstep, compacted, auto); the round's step counts are E·⌈n_c/B⌉."""
     finals = []
     tune = {} if algorithm["name"] == "pfedme" else {"finetune_batch_size": 4}  # pFedMe: eval_batch_size
-    for batching, grouping in (("loop", True), ("vmap", True), ("vmap", False)):
+    for batching, schedule in SCHEDULE_RUNS:
         m = _module({**algorithm, **tune, "local_epochs": 2, "finetune_epochs": 1, "batch_size": 4,
-                     "local_lr": 0.1}, sizes=SIZES, batching=batching)
+                     "local_lr": 0.1}, sizes=SIZES, batching=batching, step_schedule=schedule)
         m.engine.federation.num_sampled = 4
-        m.engine.step_grouping = grouping
         for r in range(3):
             m.engine.run_round(r, torch.optim.SGD(m.model.parameters(), lr=1.0))
         finals.append((m.engine.global_params(), m.engine.client_states.tensors, m.engine._last.steps,

@@ -13,7 +13,7 @@ from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.functional import Batch
 from lightning_fedmeta.registry import load_algorithm
 from lightning_fedmeta.sampling import draw_batch_indices, epoch_steps, phase_lengths
-from tests.engine.test_local_epochs import SIZES, _assert_trees_close, _module
+from tests.engine.test_local_epochs import SCHEDULE_RUNS, SIZES, _assert_trees_close, _module
 
 PHASES = BatchPlan(steps=0, per_step=1, batch_size=3, epochs=(2, 1))
 
@@ -159,11 +159,10 @@ def test_a_fit_with_local_epochs_is_the_same_looped_batched_and_ungrouped(algori
     step counts are (ΣE)·⌈n_c/(per_step·B)⌉."""
     finals = []
     extra = {} if algorithm["name"] in ("perfedavg", "fedmaml", "perfedmaml") else {"local_lr": 0.1}
-    for batching, grouping in (("loop", True), ("vmap", True), ("vmap", False)):
+    for batching, schedule in SCHEDULE_RUNS:
         m = _module({**algorithm, **extra, "local_epochs": 1, "finetune_epochs": 1, "batch_size": 4},
-                    sizes=SIZES, batching=batching)
+                    sizes=SIZES, batching=batching, step_schedule=schedule)
         m.engine.federation.num_sampled = 4
-        m.engine.step_grouping = grouping
         for r in range(2):
             m.engine.run_round(r, torch.optim.SGD(m.model.parameters(), lr=1.0))
         finals.append((m.engine.global_params(), m.engine.client_states.tensors, m.engine._last.steps))
