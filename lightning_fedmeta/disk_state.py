@@ -256,6 +256,8 @@ def _segment_header(path: str, raw: np.ndarray) -> tuple[Any, int]:
         return json.loads(bytes(raw[16:16 + head_len])), base
     except ValueError as exc:  # not JSON, or not UTF-8
         refuse(f"the segment {path}, header", f"is not JSON ({exc})")
+    except RecursionError:
+        refuse(f"the segment {path}, header", "is not JSON (nested too deeply)")
 
 
 def read_segment(path: str, sha256: str | None = None) -> tuple[Tensor, dict[str, Tensor]]:

@@ -4,10 +4,13 @@ reader's failure is one line naming the file."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import pickle
 import re
 import struct
 import tracemalloc
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_fedmeta.checkpointing import CheckpointDamagedError
 from lightning_fedmeta.data.datasets import _load_pixels, read_cifar_batch
+from lightning_fedmeta.data.idx import read_idx_array
+from lightning_fedmeta.data.leaf import LeafDataset
+from lightning_fedmeta.disk_state import read_segment
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,3 +146,78 @@ def test_a_genuine_cifar_batch_reads_under_every_protocol(tmp_path: Path) -> Non
                                       protocol=protocol))
         x, y = read_cifar_batch(path)
         assert torch.equal(x.reshape(3, -1), torch.from_numpy(data)) and y.tolist() == [3, 7, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# item 11: readers fail in one line naming the file, and the IDX reader inflates only what its header declares
+# ----------------------------------------------------------------------------------------------
+def _leaf(root: Path, train: bytes) -> Path:
+    good = {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": [[0.5] * 784], "y": [1]}}}
+    for split in ("train", "test"):
+        (root / split).mkdir(parents=True)
+    (root / "test" / "t.json").write_text(json.dumps(good))
+    (root / "train" / "t.json").write_bytes(train)
+    return root
+
+
+def _femnist_user(x: str, y: str) -> bytes:
+    return ('{"users": ["u"], "user_data": {"u": {"x": [[' + ", ".join(["0.5"] * 783 + [x]) + ']], "y": [' + y
+            + "]}}}").encode()
+
+
+@pytest.mark.parametrize(("train", "match"), [
+    (b'{"users": ["u"], "user_data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", r"nested too deeply"),
+    (b'{"users": [' + b"7" * 5000 + b"]}", r"is not a LEAF file: Exceeds the limit \(\d+ digits\) for integer string"),
+    (_femnist_user("1" + "0" * 400, "1"), r"x must be lists of 784 numbers and y class ids"),
+    (_femnist_user("0.5", "1" + "0" * 400), r"x must be lists of 784 numbers and y class ids"),
+], ids=["deep", "long-integer", "pixel-overflow", "label-overflow"])
+def test_structurally_wrong_leaf_json_is_refused_in_one_line_naming_the_file(tmp_path: Path, train: bytes,
+                                                                            match: str) -> None:
+    """Before: a RecursionError, a ValueError that did not name the file, an OverflowError."""
+    with pytest.raises(ValueError, match=r"train/t\.json'.*" + match) as info:
+        LeafDataset(str(_leaf(tmp_path, train))).client_data()
+    assert "\n" not in str(info.value)
+
+
+def test_a_segment_header_nested_too_deeply_is_a_damaged_checkpoint(tmp_path: Path) -> None:
+    head = b"[" * 100_000 + b"]" * 100_000
+    prefix = b"FEDSEG01" + struct.pack("<Q", len(head)) + head
+    path = tmp_path / "seg-000000001-0123456789abcdef.fseg"
+    path.write_bytes(prefix + b"\0" * (-len(prefix) % 64))
+    with pytest.raises(CheckpointDamagedError, match=r"header is not JSON \(nested too deeply\)"):
+        read_segment(str(path))
+
+
+def _gzip_idx(path: Path, shape: tuple[int, ...], payload: int) -> None:
+    """A gzip IDX file of uint8 ``shape`` whose body is ``payload`` zero bytes, compressed in 1 MiB blocks."""
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)
+    with open(path, "wb") as fh:
+        fh.write(deflate.compress(bytes([0, 0, 8, len(shape)]) + struct.pack(f">{len(shape)}I", *shape)))
+        block = bytes(2**20)
+        for start in range(0, payload, len(block)):
+            fh.write(deflate.compress(block[:payload - start]))
+        fh.write(deflate.flush())
+
+
+def test_the_idx_reader_inflates_no_more_than_its_header_declares(tmp_path: Path) -> None:
+    """A 32 KiB file that inflates to 32 MiB behind a header of 10 bytes: the reader reads the header first and
+    stops one byte past what it declares (before: it inflated the whole file, ~1000x its size)."""
+    path = tmp_path / "train-labels-idx1-ubyte.gz"
+    _gzip_idx(path, (10,), 32 * 2**20)
+    assert path.stat().st_size < 64 * 2**10
+    raised, peak = _peak(lambda: read_idx_array(path))
+    assert isinstance(raised, ValueError), raised
+    assert re.search(r"ubyte\.gz': header says shape \(10,\) of uint8 \(10 bytes\) but the file holds more",
+                     str(raised)), raised
+    assert peak < 4 * 2**20, peak
+
+
+def test_the_idx_reader_still_reads_gzip_files_of_several_members(tmp_path: Path) -> None:
+    body = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    raw = bytes([0, 0, 8, 3]) + struct.pack(">3I", 2, 3, 4) + body.tobytes()
+    path = tmp_path / "images.gz"
+    path.write_bytes(gzip.compress(raw[:7]) + b"\0" * 3 + gzip.compress(raw[7:]))
+    assert np.array_equal(read_idx_array(path), body)
+    path.write_bytes(gzip.compress(raw)[:-6])  # cut: a one-line error naming the file
+    with pytest.raises(ValueError, match=r"images\.gz' is not a readable gzip file"):
+        read_idx_array(path)
