@@ -221,3 +221,74 @@ def test_the_idx_reader_still_reads_gzip_files_of_several_members(tmp_path: Path
     path.write_bytes(gzip.compress(raw)[:-6])  # cut: a one-line error naming the file
     with pytest.raises(ValueError, match=r"images\.gz' is not a readable gzip file"):
         read_idx_array(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# item 12: fedmeta compare: a config.yaml's aliases are not expanded without bound; a malformed comm entry
+# ----------------------------------------------------------------------------------------------
+def _history(folder: Path, comm: Any = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"round": 2, "stage": "val", "metrics": {"val/acc_weighted": 0.5}}
+    if comm is not None:
+        record["comm"] = comm
+    (folder / "fedmeta_history.json").write_text(json.dumps({"history": [record]}))
+    return folder
+
+
+def _compare_fails(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``fedmeta compare ARGS`` through the console entry point: status 2 and one line of stderr, returned."""
+    from lightning_fedmeta.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["compare", *args])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedmeta: error: "), lines
+    return lines[0]
+
+
+def _laughs(levels: int) -> str:
+    """A YAML document whose aliases expand to 10**levels values in a few hundred bytes (billion laughs)."""
+    lines = ["l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, levels + 1)]
+    return "model:\n  seed: 0\ndata:\n  " + "\n  ".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("config", [
+    _laughs(6),
+    "model:\n  seed: 0\n  a: &a [1, *a]\n",
+    "model:\n  seed: 0\n  a: &a {b: *a}\n",
+    "model:\n  seed: 0\n  a: " + "[" * 20_000 + "]" * 20_000 + "\n",
+], ids=["laughs", "cyclic-list", "cyclic-mapping", "deep"])
+def test_compare_refuses_a_config_yaml_whose_aliases_expand_without_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str) -> None:
+    """Before: 10**6 values went through json.dumps here (10**9 from a 600-byte file in the review), a cycle
+    ended in a traceback (ValueError: Circular reference / RecursionError)."""
+    run = _history(tmp_path / "run")
+    (run / "config.yaml").write_text(config)
+    assert len(config) < 50_000
+    line = _compare_fails([str(run), "--out", str(tmp_path / "cmp.png")], capsys)
+    assert str(run / "config.yaml") in line
+    assert re.search(r"more than 100000 values|refers to itself|nested too deeply", line), line
+
+
+def test_compare_still_reads_a_config_yaml_with_an_alias(tmp_path: Path) -> None:
+    from lightning_fedmeta.compare import read_run_config
+
+    run = _history(tmp_path / "run")
+    (run / "config.yaml").write_text("model:\n  seed: 3\n  sizes: &s [1, 2]\ndata:\n  sizes: *s\n")
+    assert read_run_config(run / "fedmeta_history.json") == {"model.seed": 3, "model.sizes": [1, 2],
+                                                             "data.sizes": [1, 2]}
+
+
+@pytest.mark.parametrize(("comm", "match"), [
+    ("lots", r"history record 0 has comm 'lots', not an object of byte counts"),
+    ({"comm/up_bytes_cumulative": "x"}, r"has comm/up_bytes_cumulative = 'x', not a number"),
+    ({"comm/up_bytes": 10}, r"records no byte counts"),
+], ids=["a-string", "a-word", "no-cumulative"])
+def test_compare_x_bytes_names_the_file_of_a_malformed_comm_entry(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], comm: Any, match: str) -> None:
+    """Before: TypeError / KeyError tracebacks."""
+    run = _history(tmp_path / "run", comm)
+    line = _compare_fails([str(run), "--x", "bytes", "--out", str(tmp_path / "cmp.png")], capsys)
+    assert re.search(match, line), line
