@@ -521,18 +521,19 @@ class DiskClientStateStore:
 
     @classmethod
     def restore(cls, manifest: Mapping[str, Any], root: str | os.PathLike[str], rank: int = 0,
-                option: str = "model.client_state_dir") -> DiskClientStateStore:
+                option: str = "model.client_state_dir", num_clients: int | None = None) -> DiskClientStateStore:
         """The store a checkpoint's manifest describes, rebuilt in fresh working files under ``root`` (the current
         run's folder: every later segment is written there) from its template and its segments.
 
         The manifest is checked first (:func:`~lightning_fedmeta.disk_manifest.check_manifest`: names, counts,
-        shapes, dtypes). Segments are looked for in ``<root>/rank-<rank>/segments``, then ``rank-0`` (a shared
+        shapes, dtypes; ``num_clients``, when given, is the run's own number of clients, which the manifest's
+        must equal). Segments are looked for in ``<root>/rank-<rank>/segments``, then ``rank-0`` (a shared
         folder), then the same in the folder the manifest was written from, which is only read: a segment found
         there is hard-linked or copied into this store's folder and its SHA-256 checked there. A missing, damaged
         or inconsistent segment raises :class:`~lightning_fedmeta.checkpointing.CheckpointDamagedError`."""
         if not is_disk_manifest(manifest):
             raise ValueError("not a disk client state manifest")
-        spec = check_manifest(manifest)
+        spec = check_manifest(manifest, num_clients)
         store = cls(root, spec.num_clients, spec.entries, spec.template, rank, option)
         try:
             sources = store._segment_sources(spec.directory)

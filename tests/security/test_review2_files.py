@@ -18,12 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
-from lightning_fedmeta.checkpointing import CheckpointDamagedError
+from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.checkpointing import CHECKSUM_KEY, CheckpointDamagedError, seal_checkpoint
 from lightning_fedmeta.data.datasets import _load_pixels, read_cifar_batch
 from lightning_fedmeta.data.idx import read_idx_array
 from lightning_fedmeta.data.leaf import LeafDataset
 from lightning_fedmeta.disk_state import read_segment
+from tests.helpers import make_trainer, tiny_datamodule
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,3 +296,42 @@ def test_compare_x_bytes_names_the_file_of_a_malformed_comm_entry(
     run = _history(tmp_path / "run", comm)
     line = _compare_fails([str(run), "--x", "bytes", "--out", str(tmp_path / "cmp.png")], capsys)
     assert re.search(match, line), line
+
+
+# ----------------------------------------------------------------------------------------------
+# item 10: a disk-store manifest names the run's own number of clients
+# ----------------------------------------------------------------------------------------------
+def _disk_run(root: Path, rounds: int, ckpt_path: Path | None = None) -> FederatedModule:
+    """A 6-client disk-state Ditto run in ``root``, checkpointing every 2 rounds."""
+    torch.manual_seed(0)
+    module = FederatedModule(
+        model=nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), clients_per_round=3, seed=3,
+        algorithm={"name": "ditto", "lam": 0.1, "local_steps": 1, "local_lr": 0.1, "batch_size": 4},
+        client_state="disk",
+    )
+    callback = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = make_trainer(rounds, enable_checkpointing=True, callbacks=[callback], default_root_dir=str(root))
+    trainer.fit(module, tiny_datamodule(eval_every=2), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    return module
+
+
+def _forged(ckpt: Path, num_clients: int) -> Path:
+    """``ckpt`` with its manifest's num_clients changed, re-sealed (a checksum that matches the new bytes)."""
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint.pop(CHECKSUM_KEY, None)
+    checkpoint["fedmeta"]["client_state"]["num_clients"] = num_clients
+    forged = ckpt.with_name("forged.ckpt")
+    torch.save(seal_checkpoint(checkpoint), forged)
+    return forged
+
+
+def test_a_manifest_naming_more_clients_than_the_run_has_is_refused_before_allocating(tmp_path: Path) -> None:
+    """Before: 2**24 clients for a 6-client run were accepted (two [2**24] masks, working files of 2**24 rows,
+    carried into later checkpoints); the review's 2**30 allocated 2 GiB."""
+    _disk_run(tmp_path / "a", 2).client_states.close()
+    forged = _forged(tmp_path / "a" / "ckpt" / "step=2.ckpt", 2**24)
+    with pytest.raises(CheckpointDamagedError, match=r"manifest entry num_clients is 16777216, not the run's 6 "):
+        _disk_run(tmp_path / "b", 4, forged)
+    assert all(p.stat().st_size < 2**16 for p in (tmp_path / "b").rglob("*.rows"))  # the run's own 6 rows only
+    with pytest.raises(CheckpointDamagedError, match=r"num_clients is 16777216, not the run's 6 "):
+        FederatedModule.load_from_checkpoint(forged)  # no data: the count is the checkpoint's own 'seen' flags
