@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 import re
 import struct
+import subprocess
+import sys
 import tracemalloc
 import zlib
 from collections.abc import Callable
@@ -21,12 +24,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fedmeta import FederatedModule
+from lightning_fedmeta import FederatedModule, disk_state
 from lightning_fedmeta.checkpointing import CHECKSUM_KEY, CheckpointDamagedError, seal_checkpoint
 from lightning_fedmeta.data.datasets import _load_pixels, read_cifar_batch
 from lightning_fedmeta.data.idx import read_idx_array
 from lightning_fedmeta.data.leaf import LeafDataset
-from lightning_fedmeta.disk_state import read_segment
+from lightning_fedmeta.disk_state import DiskClientStateStore, read_segment
 from tests.helpers import make_trainer, tiny_datamodule
 
 
@@ -335,3 +338,75 @@ def test_a_manifest_naming_more_clients_than_the_run_has_is_refused_before_alloc
     assert all(p.stat().st_size < 2**16 for p in (tmp_path / "b").rglob("*.rows"))  # the run's own 6 rows only
     with pytest.raises(CheckpointDamagedError, match=r"num_clients is 16777216, not the run's 6 "):
         FederatedModule.load_from_checkpoint(forged)  # no data: the count is the checkpoint's own 'seen' flags
+
+
+# ----------------------------------------------------------------------------------------------
+# item 3: a disk store deletes only the working files it can prove are its own, never by a pid
+# ----------------------------------------------------------------------------------------------
+_NOT_HERE = 999_999_999  # above any pid_max: no process of this namespace has it
+
+
+def _leftover(rank: Path, owner: str, kernel: str | None) -> tuple[Path, Path, Path]:
+    """The working folder, owner file and partial segment a store of ``owner`` (``<pid>-<token>``) leaves in
+    ``rank``; the owner file says which kernel the store ran on (``None``: no owner file, as before this fix)."""
+    work = rank / f"work-{owner}"
+    work.mkdir(parents=True)
+    (work / "0.rows").write_bytes(b"x" * 100)
+    (rank / "segments").mkdir(exist_ok=True)
+    partial = rank / "segments" / f".seg-{owner}-{owner.split('-')[0]}-0badc0de.partial"
+    partial.write_bytes(b"half a segment")
+    lock = rank / f"work-{owner}.lock"
+    if kernel is not None:
+        lock.write_text(json.dumps({"kernel": kernel, "host": "elsewhere", "pid": int(owner.split("-")[0])}))
+    return work, lock, partial
+
+
+def test_a_store_never_deletes_the_working_files_of_a_run_in_another_pid_namespace(tmp_path: Path) -> None:
+    """Two containers on one volume (or NFS) share client_state_dir; run B's pids mean nothing in run A's namespace.
+    Before: A deleted B's live working folder and partial segment (B's pid is not alive here), and B's next
+    checkpoint failed with FileNotFoundError."""
+    import fcntl
+
+    rank = tmp_path / "rank-0"
+    kernel = disk_state._kernel_id()
+    live = _leftover(rank, f"{_NOT_HERE}-00000001", kernel)  # same kernel (containers): its owner holds the lock
+    held = os.open(live[1], os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    other_host = _leftover(rank, f"{_NOT_HERE}-00000002", "another-boot-id")  # NFS: a lock there is not seen here
+    unowned = _leftover(rank, f"{_NOT_HERE}-00000003", None)  # no owner file: nothing proves whose it is
+    try:
+        store = DiskClientStateStore.lazy(tmp_path, 4, {"c": torch.zeros(3)})
+        for work, _lock, partial in (live, other_host, unowned):
+            assert work.is_dir() and (work / "0.rows").is_file() and partial.is_file(), work
+        assert live[1].is_file() and other_host[1].is_file()
+        store.close()
+    finally:
+        os.close(held)
+
+
+_CRASH = """
+import os, sys, torch
+from lightning_fedmeta.disk_state import DiskClientStateStore
+store = DiskClientStateStore.lazy(sys.argv[1], 4, {"c": torch.zeros(3)})
+store.scatter(torch.tensor([1]), {"c": torch.ones(1, 3)})
+open(os.path.join(store.segment_directory, f".seg-{store.owner}-{os.getpid()}-0badc0de.partial"), "wb").close()
+print(store.work, flush=True)
+os._exit(0)  # no clean-up: as a process killed mid-run
+"""
+
+
+@pytest.mark.spawns
+@pytest.mark.skipif(os.name == "nt", reason="the working files' owner lock is POSIX flock")
+def test_the_working_files_of_this_machines_crashed_store_are_still_removed(tmp_path: Path) -> None:
+    """A store that died without cleaning up released its lock: provably gone, its files are removed."""
+    done = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path)], capture_output=True, text=True, check=True,
+                          timeout=240, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    work = Path(done.stdout.strip())
+    rank = work.parent
+    assert work.is_dir() and list(rank.glob("work-*.lock")) and list((rank / "segments").glob(".seg-*.partial"))
+    store = DiskClientStateStore.lazy(tmp_path, 4, {"c": torch.zeros(3)})
+    assert not work.exists() and not list((rank / "segments").glob("*.partial"))
+    assert sorted(p.name for p in rank.glob("work-*")) == [f"work-{store.owner}", f"work-{store.owner}.lock"]
+    store.close()
+    assert not list(rank.glob("work-*"))
