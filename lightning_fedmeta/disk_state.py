@@ -146,10 +146,10 @@ def _lock(fd: int, wait: bool) -> bool:
     return True
 
 
-#: the owner files of the stores of this process (their locks are never tested here: on NFS, flock is a POSIX
-#: lock, which this process's own test would take and whose close would release)
-_HELD: set[str] = set()
-_OWNER_FILE = re.compile(r"work-(?P<owner>[0-9]+-[0-9a-f]+)\.lock")
+#: the owner files (device, inode) of the stores of this process: never opened by its own clean-up (on NFS, flock
+#: is a POSIX lock, which this process's own test would take and whose close would release)
+_HELD: set[tuple[int, int]] = set()
+_OWNER_FILE = re.compile(r"work-(?P<pid>[0-9]+)-[0-9a-f]+\.lock")
 _OWNED_PARTIAL = re.compile(r"\.(?:seg|copy)-(?P<owner>[0-9]+-[0-9a-f]+)-.*" + re.escape(PARTIAL_SUFFIX))
 
 
@@ -165,7 +165,8 @@ def _take_ownership(directory: str) -> tuple[str, int]:
             continue
         _lock(fd, wait=True)  # a store inspecting it holds it a moment, sees no kernel written yet and lets go
         os.write(fd, json.dumps({"kernel": _kernel_id(), "host": socket.gethostname(), "pid": os.getpid()}).encode())
-        _HELD.add(path)
+        info = os.fstat(fd)
+        _HELD.add((info.st_dev, info.st_ino))
         return owner, fd
 
 
@@ -181,9 +182,12 @@ def _remove_stale_work(directory: str) -> None:
     segments = os.path.join(directory, "segments")
     for entry in os.scandir(directory):
         match = _OWNER_FILE.fullmatch(entry.name)
-        if match is None or entry.path in _HELD:
+        if match is None or int(match["pid"]) == os.getpid():  # this process's own (or its pid's: kept)
             continue
         try:
+            info = os.stat(entry.path)
+            if (info.st_dev, info.st_ino) in _HELD:
+                continue
             fd = os.open(entry.path, os.O_RDWR)
         except OSError:
             continue
@@ -197,7 +201,7 @@ def _remove_stale_work(directory: str) -> None:
                 continue
             if not isinstance(said, dict) or said.get("kernel") != kernel or not same_file:
                 continue
-            owner = match["owner"]
+            owner = entry.name[len("work-"):-len(".lock")]
             shutil.rmtree(os.path.join(directory, f"work-{owner}"), ignore_errors=True)
             for partial in os.scandir(segments) if os.path.isdir(segments) else ():
                 found = _OWNED_PARTIAL.fullmatch(partial.name)
@@ -216,8 +220,9 @@ def _remove_work(work: str, files: list[_RowFile], owner_file: str, owner_fd: in
     shutil.rmtree(work, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.unlink(owner_file)
-    _HELD.discard(owner_file)
+    info = os.fstat(owner_fd)
     os.close(owner_fd)  # releases the lock, last
+    _HELD.discard((info.st_dev, info.st_ino))
 
 
 class _RowFile:

@@ -118,8 +118,8 @@ def test_working_files_of_a_killed_process_are_removed(tmp_path: Path) -> None:
         (rank / f"work-{owner}.lock").write_text(json.dumps({"kernel": disk_state._kernel_id()}))
         return work, partial
 
-    stale, live = leftover("999999999-0badc0de"), leftover(f"{os.getpid()}-00ff00ff")
-    held = os.open(rank / f"work-{os.getpid()}-00ff00ff.lock", os.O_RDWR)
+    stale, live = leftover("999999999-0badc0de"), leftover("999999998-00ff00ff")
+    held = os.open(rank / "work-999999998-00ff00ff.lock", os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live store's lock: kept
     try:
         store = DiskClientStateStore.lazy(tmp_path, 4, {"c": torch.zeros(3)})
