@@ -71,7 +71,7 @@ def _gunzip(raw: bytes, limit: int | None = None) -> bytes:
             inflater = zlib.decompressobj(wbits=31)
             members.append(inflater.decompress(rest, 0 if limit is None else limit - total))
             total += len(members[-1])
-            if inflater.unconsumed_tail:  # stopped at the limit, input left
+            if limit is not None and total >= limit:  # stopped at the limit (input or pending output left)
                 break
             if not inflater.eof:
                 raise zlib.error("truncated gzip member")
