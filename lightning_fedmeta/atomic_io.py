@@ -14,7 +14,8 @@ goes through this protocol:
 If anything fails before the rename (serialisation raises, the disk is full, ``os.replace`` fails), the
 temporary file is removed and the target is untouched. A process killed mid-write leaves its ``.partial``
 file behind; its name carries the writer's process id, so a later writer can tell it is stale (the checkpoint
-and disk-state writers remove those of dead processes).
+writer removes those of dead processes; the disk store's carry its owner id and are removed only when their owner
+is proven gone, :func:`lightning_fedmeta.disk_state._remove_stale_work`).
 
 :func:`atomic_write` (a callback writes the file object), :func:`atomic_write_bytes` and
 :func:`atomic_torch_save` cover a target whose name is known in advance. A writer that names the file after

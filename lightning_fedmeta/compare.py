@@ -181,6 +181,13 @@ def _record_problem(record: Any) -> str | None:
     for name, value in metrics.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             return f"has metric {name!r} = {value!r}, not a number"
+    if "comm" in record:  # the byte counts (--x bytes)
+        comm = record["comm"]
+        if not isinstance(comm, Mapping):
+            return f"has comm {comm!r}, not an object of byte counts"
+        for name, value in comm.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return f"has {name} = {value!r}, not a number"
     return None
 
 
@@ -401,6 +408,40 @@ _BOOKKEEPING_LEAVES = frozenset({"dirpath", "save_dir", "filename"})
 CONFIG_FILES = ("config.yaml", "hparams.yaml")
 
 
+#: the most values a run's configuration may hold once its YAML aliases are expanded (a ``fedmeta fit`` config.yaml
+#: holds hundreds; aliases can make a few hundred bytes expand to 10⁹, which ``_flatten`` and ``json.dumps`` walk)
+MAX_CONFIG_VALUES = 100_000
+
+
+def _check_expanded_size(doc: Any, path: Path, limit: int = MAX_CONFIG_VALUES) -> None:
+    """A :class:`CompareError` naming ``path`` when ``doc`` (as ``yaml.safe_load`` builds it: an alias is the
+    same object again) refers to itself or holds more than ``limit`` values with every alias expanded. Each
+    object is counted once (its expanded size kept), so the check costs the file's size, not the expansion's."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(obj: Any) -> int:
+        if not isinstance(obj, Mapping | list):
+            return 1
+        if id(obj) in sizes:
+            return sizes[id(obj)]
+        if id(obj) in open_:
+            raise CompareError(f"{path}: refers to itself (a YAML alias inside its own anchor); a run's "
+                               "configuration is a tree: fix or remove the file")
+        open_.add(id(obj))
+        total = 1
+        for child in obj.values() if isinstance(obj, Mapping) else obj:
+            total += size(child)
+            if total > limit:
+                raise CompareError(f"{path}: its YAML aliases expand to more than {limit} values; a run's "
+                                   "configuration is far smaller: fix or remove the file")
+        open_.discard(id(obj))
+        sizes[id(obj)] = total
+        return total
+
+    size(doc)
+
+
 def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
     """``{"model": {"seed": 0}}`` -> ``{"model.seed": 0}``; lists and other values are kept as leaves."""
     if not isinstance(doc, Mapping) or not doc:
@@ -414,7 +455,12 @@ def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
 def read_run_config(source: Path) -> dict[str, Any] | None:
     """The flattened configuration of the run whose history is ``source``: the ``config.yaml`` that
     ``fedmeta fit`` saves next to it, else the logger's ``hparams.yaml``; ``None`` when neither is there or
-    readable (such a run forms a group of its own)."""
+    readable (such a run forms a group of its own).
+
+    Raises:
+        CompareError: the file refers to itself, is nested too deeply, or its aliases expand to more than
+            :data:`MAX_CONFIG_VALUES` values (:func:`_check_expanded_size`).
+    """
     import yaml
 
     for name in CONFIG_FILES:
@@ -425,7 +471,10 @@ def read_run_config(source: Path) -> dict[str, Any] | None:
             doc = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
+        except RecursionError:
+            raise CompareError(f"{path}: is nested too deeply for a run's configuration") from None
         if isinstance(doc, Mapping):
+            _check_expanded_size(doc, path)
             return _flatten(doc)
     return None
 
@@ -810,7 +859,7 @@ def uploaded_megabytes(group: Group, stage: str) -> dict[int, float]:
     sums: dict[int, list[float]] = {}
     for run in group.runs:
         entries = [h for h in run.info["history"] if h.get("stage") == stage]
-        if not entries or any("comm" not in h for h in entries):
+        if not entries or any("comm/up_bytes_cumulative" not in h.get("comm", {}) for h in entries):
             raise CompareError(f"--x bytes: run {run.name} records no byte counts in its {stage} history (a "
                                "metrics.csv, or a run from before byte accounting); rerun it or compare by round")
         for h in entries:

@@ -148,12 +148,16 @@ def _check_segment(i: int, record: Any, num_clients: int) -> dict[str, Any]:
     return {"file": name, "sha256": sha, "rows": rows}
 
 
-def check_manifest(manifest: Mapping[str, Any]) -> Manifest:
+def check_manifest(manifest: Mapping[str, Any], expected_clients: int | None = None) -> Manifest:
     """Every field of a disk store's manifest checked (module docstring); :class:`CheckpointDamagedError` naming
-    the first entry that is refused."""
+    the first entry that is refused. ``expected_clients``: the run's own number of clients (its data's, else the
+    checkpoint's ``seen`` flags, which the file holds), which ``num_clients`` must equal, so a manifest cannot make
+    the store allocate masks and files for more clients than the run has."""
     num_clients = check_count(manifest.get("num_clients"), "manifest entry num_clients", MAX_CLIENTS)
     if num_clients < 1:
         refuse("manifest entry num_clients", "is 0: a disk store holds at least one client")
+    if expected_clients is not None and num_clients != expected_clients:
+        refuse("manifest entry num_clients", f"is {num_clients}, not the run's {expected_clients} clients")
     entries = _check_entries(manifest.get("entries"))
     total = num_clients * sum(row_bytes(s, dt) for s, dt in entries.values())
     if total > MAX_STATE_BYTES:

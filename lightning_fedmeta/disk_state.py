@@ -3,13 +3,18 @@ does not fit in memory (Ditto's personal models at K = 100,000 clients: 27 GB).
 
 What lives where (docs/scale.md, "Client state on disk"):
 
-* **working files** ``<root>/rank-<r>/work-<pid>-<token>/<i>.rows``: one raw file per flattened state entry,
+* **working files** ``<root>/rank-<r>/work-<owner>/<i>.rows``: one raw file per flattened state entry,
   ``K × row bytes``, row ``i`` at byte ``i × row bytes``, created sparse (no disk blocks until a row is written).
   :meth:`gather` reads the sampled rows straight into the output tensor, :meth:`scatter` writes them back in
   place; a row never written reads as the *template* (the value ``init_client_states`` gives every client). Only
   the gathered copies, the template and two ``[K]`` byte masks (written, dirty) are process memory. The working
   files are scratch, removed when the store goes: the durable copy of the state is the segments below, so a crash
-  never corrupts a checkpoint.
+  never corrupts a checkpoint. Beside them, the owner file ``work-<owner>.lock`` (``<owner>`` = ``<pid>-<random
+  token>``, naming the kernel it runs on) is held ``flock``-ed while the store lives; a new store removes the working
+  files and partial segments of a store whose owner file names this kernel and whose lock it can take (the kernel
+  released it when that process died), and nothing else: never by a process id, which means nothing in another PID
+  namespace (two containers sharing a volume), and never the files of another kernel (another host on NFS, an
+  earlier boot: delete those by hand when no run uses them).
 * **segments** ``<root>/rank-<r>/segments/seg-<round>-<sha256[:16]>.fseg``: at every checkpoint the rows written
   since the previous checkpoint go into one immutable file (written to a temporary name, ``fsync``-ed, renamed,
   the folder ``fsync``-ed). Its name holds its SHA-256, so a name is never reused for other bytes, and a later
@@ -42,8 +47,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import struct
 import tempfile
 import warnings
@@ -56,7 +63,12 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, partial_file, publish, sync_file
-from lightning_fedmeta.checkpointing import CheckpointDamagedError, _pid_alive
+from lightning_fedmeta.checkpointing import CheckpointDamagedError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 from lightning_fedmeta.disk_manifest import Block, check_manifest, check_segment_header, refuse, segment_path
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
@@ -112,28 +124,105 @@ def _runs(index: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _remove_stale_work(directory: str) -> None:
-    """Remove the working folders and partial segments of processes that no longer run (killed before they could
-    clean up): ``work-<pid>-<token>`` and ``segments/.seg-<pid>-<token>.partial``."""
-    def dead(pid: str) -> bool:
-        return pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+def _kernel_id() -> str:
+    """Which kernel this process runs on: its boot id (shared by the containers of one host, new at every boot),
+    else the host name. A store's lock is only trusted by stores on the same kernel (module docstring)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return f"boot:{fh.read().strip()}"
+    except OSError:
+        return f"host:{socket.gethostname()}"
 
-    for entry in os.scandir(directory):
-        parts = entry.name.split("-")
-        if entry.is_dir() and len(parts) == 3 and parts[0] == "work" and dead(parts[1]):
-            shutil.rmtree(entry.path, ignore_errors=True)
+
+def _lock(fd: int, wait: bool) -> bool:
+    """Take the exclusive ``flock`` of ``fd`` (waiting for it when ``wait``); whether it was taken. Without
+    ``fcntl`` (Windows) no lock is ever taken, so no store's files are ever proven stale there."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+#: the owner files (device, inode) of the stores of this process: never opened by its own clean-up (on NFS, flock
+#: is a POSIX lock, which this process's own test would take and whose close would release)
+_HELD: set[tuple[int, int]] = set()
+_OWNER_FILE = re.compile(r"work-(?P<pid>[0-9]+)-[0-9a-f]+\.lock")
+_OWNED_PARTIAL = re.compile(r"\.(?:seg|copy)-(?P<owner>[0-9]+-[0-9a-f]+)-.*" + re.escape(PARTIAL_SUFFIX))
+
+
+def _take_ownership(directory: str) -> tuple[str, int]:
+    """``(owner, fd)``: a fresh owner id ``<pid>-<token>`` and the open, ``flock``-ed owner file
+    ``work-<owner>.lock`` that proves this store's working files are in use (held until :func:`_remove_work`)."""
+    while True:
+        owner = f"{os.getpid()}-{secrets.token_hex(8)}"
+        path = os.path.join(directory, f"work-{owner}.lock")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        except FileExistsError:
+            continue
+        _lock(fd, wait=True)  # a store inspecting it holds it a moment, sees no kernel written yet and lets go
+        os.write(fd, json.dumps({"kernel": _kernel_id(), "host": socket.gethostname(), "pid": os.getpid()}).encode())
+        info = os.fstat(fd)
+        _HELD.add((info.st_dev, info.st_ino))
+        return owner, fd
+
+
+def _remove_stale_work(directory: str) -> None:
+    """Remove the working folders and partial segments of stores that no longer run (killed before they could
+    clean up), and only those: a store's files are ``work-<owner>``, ``segments/.seg-<owner>-*.partial`` and
+    ``segments/.copy-<owner>-*.partial`` beside its owner file ``work-<owner>.lock``, which the store holds
+    ``flock``-ed while it lives. A store is proven gone when its owner file says it ran on this kernel (the same
+    boot id: this host, any container) and its lock can be taken: the kernel released it when the process died.
+    Files of a store on another kernel (another host on NFS, an earlier boot), files without an owner file, and
+    the files of a store whose lock is held are never touched: a process id says nothing across PID namespaces."""
+    kernel = _kernel_id()
     segments = os.path.join(directory, "segments")
-    for entry in os.scandir(segments) if os.path.isdir(segments) else ():
-        parts = entry.name.split("-")
-        if entry.name.endswith(PARTIAL_SUFFIX) and len(parts) == 3 and parts[0] in (".seg", ".copy") and dead(parts[1]):
+    for entry in os.scandir(directory):
+        match = _OWNER_FILE.fullmatch(entry.name)
+        if match is None or int(match["pid"]) == os.getpid():  # this process's own (or its pid's: kept)
+            continue
+        try:
+            info = os.stat(entry.path)
+            if (info.st_dev, info.st_ino) in _HELD:
+                continue
+            fd = os.open(entry.path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if not _lock(fd, wait=False):  # its store runs
+                continue
+            try:
+                said = json.loads(os.read(fd, 4096).decode())
+                same_file = os.fstat(fd).st_ino == os.stat(entry.path).st_ino  # not removed and replaced meanwhile
+            except (OSError, ValueError):
+                continue
+            if not isinstance(said, dict) or said.get("kernel") != kernel or not same_file:
+                continue
+            owner = entry.name[len("work-"):-len(".lock")]
+            shutil.rmtree(os.path.join(directory, f"work-{owner}"), ignore_errors=True)
+            for partial in os.scandir(segments) if os.path.isdir(segments) else ():
+                found = _OWNED_PARTIAL.fullmatch(partial.name)
+                if found is not None and found["owner"] == owner:
+                    with contextlib.suppress(OSError):
+                        os.unlink(partial.path)
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
+        finally:
+            os.close(fd)
 
 
-def _remove_work(work: str, files: list[_RowFile]) -> None:
+def _remove_work(work: str, files: list[_RowFile], owner_file: str, owner_fd: int) -> None:
     for rowfile in files:
         rowfile.close()
     shutil.rmtree(work, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(owner_file)
+    info = os.fstat(owner_fd)
+    os.close(owner_fd)  # releases the lock, last
+    _HELD.discard((info.st_dev, info.st_ino))
 
 
 class _RowFile:
@@ -183,7 +272,8 @@ class _RowFile:
 # segments
 # ----------------------------------------------------------------------------------------------
 def write_segment(directory: str, tag: int, clients: Tensor, rows: Callable[[str, Tensor], Tensor],
-                  entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
+                  entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                  owner: str | None = None) -> dict[str, Any]:
     """Write the rows of ``clients`` (sorted ``int64``) as one immutable segment file; returns its manifest record
     ``{"file", "sha256", "rows"}``.
 
@@ -191,8 +281,9 @@ def write_segment(directory: str, tag: int, clients: Tensor, rows: Callable[[str
     (``uint64``), the header (JSON: ``rows``, ``clients`` and per entry ``dtype``, ``shape``, ``offset``,
     ``nbytes``), then the client indices and each entry's ``[rows, *shape]`` values, every block at a multiple
     of 64 bytes. ``rows(name, block)`` gives the values of a block of clients. The file is written under a
-    temporary name, ``fsync``-ed and renamed to ``seg-<tag>-<sha256[:16]>.fseg`` (the folder ``fsync``-ed), so a
-    segment is complete or absent.
+    temporary name (``.seg-<owner>-<pid>-<random>.partial``: a store's ``owner`` id, so another store can tell
+    whose it is, :func:`_remove_stale_work`), ``fsync``-ed and renamed to ``seg-<tag>-<sha256[:16]>.fseg`` (the
+    folder ``fsync``-ed), so a segment is complete or absent.
     """
     n = int(clients.numel())
     header: dict[str, Any] = {"rows": n, "entries": {}}
@@ -212,7 +303,7 @@ def write_segment(directory: str, tag: int, clients: Tensor, rows: Callable[[str
     prefix += b"\0" * (-len(prefix) % _ALIGN)
     os.makedirs(directory, exist_ok=True)
     digest = hashlib.sha256()
-    with partial_file(directory, ".seg", sep="-") as tmp:
+    with partial_file(directory, ".seg" if owner is None else f".seg-{owner}", sep="-") as tmp:
         with open(tmp, "wb") as fh:
             def put(data: bytes | memoryview) -> None:
                 fh.write(data)
@@ -256,6 +347,8 @@ def _segment_header(path: str, raw: np.ndarray) -> tuple[Any, int]:
         return json.loads(bytes(raw[16:16 + head_len])), base
     except ValueError as exc:  # not JSON, or not UTF-8
         refuse(f"the segment {path}, header", f"is not JSON ({exc})")
+    except RecursionError:
+        refuse(f"the segment {path}, header", "is not JSON (nested too deeply)")
 
 
 def read_segment(path: str, sha256: str | None = None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -288,12 +381,12 @@ def read_segment(path: str, sha256: str | None = None) -> tuple[Tensor, dict[str
     return view(clients), {name: view(block) for name, block in blocks.items()}
 
 
-def _copy_segment(path: str, directory: str, sha256: str) -> str:
+def _copy_segment(path: str, directory: str, sha256: str, owner: str | None = None) -> str:
     """Put the segment at ``path`` into ``directory`` (a hard link when the file system allows, else a copy;
     atomic either way) after checking the SHA-256 of what arrived, so the checkpoints of a run that resumed into
     another folder reference only its own files. ``path``'s folder is only read. Returns the new path."""
     target = os.path.join(directory, os.path.basename(path))
-    with partial_file(directory, ".copy", sep="-") as tmp:
+    with partial_file(directory, ".copy" if owner is None else f".copy-{owner}", sep="-") as tmp:
         try:
             os.link(os.path.realpath(path), tmp)
         except OSError:
@@ -362,11 +455,18 @@ class DiskClientStateStore:
         self.written = torch.zeros(self.num_clients, dtype=torch.bool)  # rows that differ from the template
         self.dirty = torch.zeros(self.num_clients, dtype=torch.bool)  # rows written since the last segment
         _remove_stale_work(self.directory)
-        self.work = os.path.join(self.directory, f"work-{os.getpid()}-{secrets.token_hex(4)}")
-        os.makedirs(self.work)
-        self._files = {k: _RowFile(os.path.join(self.work, f"{i}.rows"), self.num_clients, s, dt)
-                       for i, (k, (s, dt)) in enumerate(self.entries.items())}
-        self._finalizer = weakref.finalize(self, _remove_work, self.work, list(self._files.values()))
+        self.owner, owner_fd = _take_ownership(self.directory)
+        owner_file = os.path.join(self.directory, f"work-{self.owner}.lock")
+        self.work = os.path.join(self.directory, f"work-{self.owner}")
+        try:
+            os.makedirs(self.work)
+            self._files = {k: _RowFile(os.path.join(self.work, f"{i}.rows"), self.num_clients, s, dt)
+                           for i, (k, (s, dt)) in enumerate(self.entries.items())}
+        except BaseException:
+            _remove_work(self.work, [], owner_file, owner_fd)
+            raise
+        self._finalizer = weakref.finalize(self, _remove_work, self.work, list(self._files.values()), owner_file,
+                                           owner_fd)
         self._maps: dict[str, Tensor] | None = None
         self.rows_gathered = 0  # counters (rows copied out / in), for benchmarks and tests
         self.rows_scattered = 0
@@ -504,7 +604,7 @@ class DiskClientStateStore:
         if dirty.numel():
             record = write_segment(
                 self.segment_directory, tag, dirty,
-                lambda name, block: self._files[name].read(block), self.entries,
+                lambda name, block: self._files[name].read(block), self.entries, self.owner,
             )
             self.segments.append(record)
             self.dirty.zero_()
@@ -519,18 +619,19 @@ class DiskClientStateStore:
 
     @classmethod
     def restore(cls, manifest: Mapping[str, Any], root: str | os.PathLike[str], rank: int = 0,
-                option: str = "model.client_state_dir") -> DiskClientStateStore:
+                option: str = "model.client_state_dir", num_clients: int | None = None) -> DiskClientStateStore:
         """The store a checkpoint's manifest describes, rebuilt in fresh working files under ``root`` (the current
         run's folder: every later segment is written there) from its template and its segments.
 
         The manifest is checked first (:func:`~lightning_fedmeta.disk_manifest.check_manifest`: names, counts,
-        shapes, dtypes). Segments are looked for in ``<root>/rank-<rank>/segments``, then ``rank-0`` (a shared
+        shapes, dtypes; ``num_clients``, when given, is the run's own number of clients, which the manifest's
+        must equal). Segments are looked for in ``<root>/rank-<rank>/segments``, then ``rank-0`` (a shared
         folder), then the same in the folder the manifest was written from, which is only read: a segment found
         there is hard-linked or copied into this store's folder and its SHA-256 checked there. A missing, damaged
         or inconsistent segment raises :class:`~lightning_fedmeta.checkpointing.CheckpointDamagedError`."""
         if not is_disk_manifest(manifest):
             raise ValueError("not a disk client state manifest")
-        spec = check_manifest(manifest)
+        spec = check_manifest(manifest, num_clients)
         store = cls(root, spec.num_clients, spec.entries, spec.template, rank, option)
         try:
             sources = store._segment_sources(spec.directory)
@@ -565,7 +666,7 @@ class DiskClientStateStore:
                 f"in {', '.join(sources)}; the checkpoint's client state cannot be rebuilt (model.client_state_dir, or "
                 "the folder the checkpoint was written from, must hold the run's rank-<r>/segments files)"
             )
-        return _copy_segment(found, self.segment_directory, record["sha256"])
+        return _copy_segment(found, self.segment_directory, record["sha256"], self.owner)
 
     def _apply_segment(self, path: str, record: Mapping[str, Any], clients: Tensor,
                        values: Mapping[str, Tensor]) -> None:

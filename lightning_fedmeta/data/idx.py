@@ -54,33 +54,61 @@ _IDX_DTYPES: dict[int, np.dtype] = {
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _gunzip(raw: bytes) -> bytes:
-    """Inflate every gzip member of ``raw``, as ``gzip.decompress`` does, in one ``zlib`` pass per member.
+def _gunzip(raw: bytes, limit: int | None = None) -> bytes:
+    """Inflate every gzip member of ``raw``, as ``gzip.decompress`` does, in one ``zlib`` pass per member; with
+    ``limit``, stop after ``limit`` bytes of output (the bytes inflated so far are returned, never more).
 
-    ``wbits=31`` makes zlib parse the gzip header and check the trailer's CRC-32 and length. Anything
-    zlib refuses (a corrupt or truncated file, trailing bytes that are not a gzip member) is handed to
-    ``gzip.decompress``, so errors are the ones it raises.
+    ``wbits=31`` makes zlib parse the gzip header and check the trailer's CRC-32 and length. Without ``limit``,
+    anything zlib refuses (a corrupt or truncated file, trailing bytes that are not a gzip member) is handed to
+    ``gzip.decompress``, so errors are the ones it raises; with ``limit`` it raises ``zlib.error`` itself (handing
+    a file to ``gzip.decompress`` would inflate all of it).
     """
     members = []
     rest = raw
+    total = 0
     try:
-        while rest:
+        while rest and (limit is None or total < limit):
             inflater = zlib.decompressobj(wbits=31)
-            members.append(inflater.decompress(rest))
+            members.append(inflater.decompress(rest, 0 if limit is None else limit - total))
+            total += len(members[-1])
+            if limit is not None and total >= limit:  # stopped at the limit (input or pending output left)
+                break
             if not inflater.eof:
                 raise zlib.error("truncated gzip member")
             rest = inflater.unused_data.lstrip(b"\x00")  # gzip.decompress skips zero padding between members
     except zlib.error:
+        if limit is not None:
+            raise
         return gzip.decompress(raw)
     return members[0] if len(members) == 1 else b"".join(members)
 
 
-def _read_bytes(path: str | os.PathLike[str]) -> bytes:
+#: the longest IDX header: 4 bytes, then up to 255 uint32 dimension sizes
+_MAX_HEADER = 4 + 4 * 255
+
+
+def _declared_size(head: bytes) -> int:
+    """Header and payload bytes the IDX header at the start of ``head`` declares (``len(head)`` when it cannot
+    be parsed: the full parse then reports what is wrong)."""
+    if len(head) < 4 or head[2] not in _IDX_DTYPES or len(head) < 4 + 4 * head[3]:
+        return len(head)
+    shape = struct.unpack(f">{head[3]}I", head[4:4 + 4 * head[3]])
+    return 4 + 4 * head[3] + int(np.prod(shape, dtype=object)) * _IDX_DTYPES[head[2]].itemsize
+
+
+def _read_bytes(path: str | os.PathLike[str]) -> tuple[bytes, bool]:
+    """The IDX bytes of a file and whether it was gzip (inflated): the header is inflated first and the rest only up to
+    one byte past the size it declares, so a small file cannot inflate into more memory than its header admits
+    (zlib reaches ~1000x), and a damaged gzip file is a ``ValueError`` naming it."""
     with open(path, "rb") as f:
         raw = f.read()
     if raw[:2] == _GZIP_MAGIC:
-        raw = _gunzip(raw)
-    return raw
+        try:
+            raw = _gunzip(raw, _declared_size(_gunzip(raw, _MAX_HEADER)) + 1)
+        except (zlib.error, EOFError, OSError) as exc:
+            raise ValueError(f"{os.fspath(path)!r} is not a readable gzip file ({exc})") from None
+        return raw, True
+    return raw, False
 
 
 def read_idx_array(path: str | os.PathLike[str]) -> np.ndarray:
@@ -91,9 +119,10 @@ def read_idx_array(path: str | os.PathLike[str]) -> np.ndarray:
     is the writable tensor form.
 
     Raises:
-        ValueError: if the header is malformed or the payload size does not match the header.
+        ValueError: if the header is malformed, the payload size does not match the header or a gzip file is
+            damaged (one line naming the file).
     """
-    raw = _read_bytes(path)
+    raw, inflated = _read_bytes(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise ValueError(f"{os.fspath(path)!r} is not an IDX file: it must start with two zero bytes")
     type_code, ndim = raw[2], raw[3]
@@ -105,12 +134,13 @@ def read_idx_array(path: str | os.PathLike[str]) -> np.ndarray:
         raise ValueError(f"{os.fspath(path)!r}: truncated IDX header ({len(raw)} bytes, need {header_len})")
     shape = struct.unpack(f">{ndim}I", raw[4:header_len])
     dtype = _IDX_DTYPES[type_code]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = int(np.prod(shape, dtype=object)) * dtype.itemsize
     payload = len(raw) - header_len
     if payload != expected:
+        holds = "more" if inflated and payload > expected else f"{payload} data bytes"  # inflated: not all of it
         raise ValueError(
             f"{os.fspath(path)!r}: header says shape {tuple(shape)} of {dtype} ({expected} bytes) "
-            f"but the file holds {payload} data bytes"
+            f"but the file holds {holds}"
         )
     array = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(shape)
     native = dtype.newbyteorder("=")

@@ -248,6 +248,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{str(path)!r} is not a LEAF file: it is not UTF-8 text ({err})") from err
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from err
+    except RecursionError:
+        raise ValueError(f"{str(path)!r} is not a LEAF file: its JSON is nested too deeply") from None
+    except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ValueError(f"{str(path)!r} is not a LEAF file: {err}") from None
     if not isinstance(content, dict) or not isinstance(content.get("user_data"), dict):
         raise ValueError(
             f"{str(path)!r} is not a LEAF file: it needs a 'user_data' object mapping each user to "
@@ -294,7 +298,7 @@ def _femnist(xs: list[Any], ys: list[Any], where: str) -> _Arrays:
     try:
         x = np.asarray(xs, dtype=np.float32)
         y_raw = np.asarray(ys, dtype=np.float64)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:  # OverflowError: an integer beyond float's range
         raise ValueError(f"FEMNIST {where}: x must be lists of 784 numbers and y class ids ({err})") from err
     if x.ndim != 2 or x.shape[1] != 784:
         raise ValueError(f"FEMNIST {where}: each x must have 784 pixel values, got an array of shape {x.shape}")

@@ -21,6 +21,7 @@ standardises the rows the clients get with :data:`NORMALIZATION_MORE`.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,8 @@ NORMALIZATION_MORE: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
 Pixels = tuple[np.ndarray, Tensor, np.ndarray, Tensor]
 _TINY = "tiny-imagenet-200"
 _TINY_SIZE = (64, 64)
+#: a wnid names one folder of the dataset: a plain name, never ``..``, a separator or an absolute path
+_WNID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _check_name(name: str) -> None:
@@ -187,16 +190,36 @@ def _stack(paths: list[Path], labels: list[int]) -> tuple[np.ndarray, Tensor]:
     return x, torch.tensor(labels, dtype=torch.long)
 
 
+def _read_wnids(path: Path) -> list[str]:
+    """The sorted class ids of ``wnids.txt``, each a plain folder name (``n01443537``: letters, digits, ``_``, ``-``
+    and ``.``, not starting with a dot), so ``train/<wnid>`` is a folder of the dataset: a ``..``, a separator or
+    an absolute path is refused naming the file and the line."""
+    wnids = set()
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        wnid = line.strip()
+        if wnid and not _WNID.fullmatch(wnid):
+            raise ValueError(f"{str(path)!r} line {n}: {wnid[:80]!r} is not a class folder name (a wnid such as "
+                             "'n01443537': letters, digits, '_', '-' and '.', no separator, not starting with a dot)")
+        if wnid:
+            wnids.add(wnid)
+    return sorted(wnids)
+
+
 def _load_tiny(root: str | os.PathLike[str]) -> Pixels:
     base = _tiny_root(root)
     wnids_file, annotations = base / "wnids.txt", base / "val" / "val_annotations.txt"
     if not wnids_file.is_file() or not annotations.is_file():
         raise _missing("tiny_imagenet", [wnids_file, annotations])
-    wnids = sorted({w.strip() for w in wnids_file.read_text(encoding="utf-8").splitlines() if w.strip()})
+    wnids = _read_wnids(wnids_file)
     index = {w: i for i, w in enumerate(wnids)}
     train_paths, train_labels = [], []
     for w in wnids:
-        found = sorted((base / "train" / w / "images").glob("*.JPEG"))
+        folder = base / "train" / w / "images"
+        real, inside = os.path.realpath(folder), os.path.realpath(base)
+        if folder.exists() and os.path.commonpath([real, inside]) != inside:
+            raise ValueError(f"{str(folder)!r}: the images of class {w} (listed in {str(wnids_file)!r}) resolve to "
+                             f"{real!r}, outside the dataset {inside!r}; a link out of the dataset is never read")
+        found = sorted(folder.glob("*.JPEG"))
         if not found:
             raise ValueError(f"{str(base / 'train' / w / 'images')!r} holds no *.JPEG image of class {w} "
                              f"(listed in {str(wnids_file)!r})")

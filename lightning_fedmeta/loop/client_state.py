@@ -101,15 +101,17 @@ def build_client_store(algorithm: Algorithm, params: Params, everyone: ClientRec
     return store
 
 
-def restore_client_store(entry: Mapping[str, Any], where: StoreLocation, old: AnyStore) -> AnyStore:
+def restore_client_store(entry: Mapping[str, Any], where: StoreLocation, old: AnyStore,
+                         num_clients: int | None = None) -> AnyStore:
     """The client state of a checkpoint: a disk store's manifest (rebuilt from its segments) or flat tensors;
-    converted when ``model.client_state`` asks for the other kind. ``old`` is closed.
+    converted when ``model.client_state`` asks for the other kind. ``old`` is closed. ``num_clients``: the run's
+    own number of clients, which a manifest must name (checked before anything is allocated).
 
     A disk store is rebuilt in the *current* run's folder (:meth:`StoreLocation.root`), never in the folder the
     checkpoint was written from: that one is only read (the segments this run needs are linked or copied), so
     the new run's checkpoints stay valid when the old run's folder is deleted."""
     if is_disk_manifest(entry):
-        store: AnyStore = DiskClientStateStore.restore(entry, where.root(), rank=where.rank)
+        store: AnyStore = DiskClientStateStore.restore(entry, where.root(), rank=where.rank, num_clients=num_clients)
         rank_zero_info(f"[lightning_fedmeta] resumed the {disk_state_line(store)}")
         if where.mode == "memory":
             memory = ClientStateStore(unflatten_state(store.state_dict()))

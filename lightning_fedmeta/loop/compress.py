@@ -128,9 +128,12 @@ class CompressionStage:
     def checkpoint_state(self, round_idx: int) -> dict[str, Any]:
         return self.residuals.checkpoint_state(round_idx) if self.keeps_residual else {}
 
-    def load_state_dict(self, entry: dict[str, Any] | None, where: StoreLocation) -> None:
-        """A checkpoint's residuals (a disk manifest or flat tensors), in the store ``model.client_state`` asks."""
+    def load_state_dict(self, entry: dict[str, Any] | None, where: StoreLocation,
+                        num_clients: int | None = None) -> None:
+        """A checkpoint's residuals (a disk manifest or flat tensors), in the store ``model.client_state`` asks
+        (a manifest must name ``num_clients``, the run's own number of clients)."""
         if not entry or not self.keeps_residual:
             return
         disk_wanted = where.mode == "disk" or (where.mode == "auto" and is_disk_manifest(entry))
-        self.residuals = restore_client_store(entry, self.location(where) if disk_wanted else where, self.residuals)
+        self.residuals = restore_client_store(entry, self.location(where) if disk_wanted else where, self.residuals,
+                                              num_clients)

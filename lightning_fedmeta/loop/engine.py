@@ -535,8 +535,18 @@ class RoundEngine:
             "traffic": self.traffic.state_dict(),
         }
 
+    def _run_clients(self, saved: dict[str, Any]) -> int | None:
+        """The run's own number of clients, which a disk store's manifest must name: the data's when it is bound
+        (the resume checks refuse a checkpoint whose ``seen`` flags differ), else the checkpoint's ``seen`` flags
+        (a tensor the file holds, so its size bounds the count); ``None`` for a checkpoint with neither."""
+        if self.data is not None:
+            return int(self.data.num_clients)
+        seen = saved.get("seen")
+        return int(seen.numel()) if isinstance(seen, Tensor) else None
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.client_states = restore_client_store(saved["client_state"], self.store, self.client_states)
+        clients = self._run_clients(saved)
+        self.client_states = restore_client_store(saved["client_state"], self.store, self.client_states, clients)
         self.running.store.load_state_dict(saved.get("client_buffers") or {})
         self.server_state = unflatten_state({k: v.clone() for k, v in saved["server_state"].items()})
         if saved.get("seen") is None:  # a checkpoint from before client records: who trained is not known
@@ -547,7 +557,7 @@ class RoundEngine:
         self.federation.load_state_dict(saved)
         self.compile.load_state_dict(saved)
         self.schedule.load_state_dict(saved)
-        self.compression.load_state_dict(saved.get("compression_residual"), self.store)
+        self.compression.load_state_dict(saved.get("compression_residual"), self.store, clients)
         self.traffic.load_state_dict(saved.get("traffic"))
         if self.data is not None:
             self.gatherer.reset()

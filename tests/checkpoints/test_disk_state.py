@@ -4,6 +4,7 @@ immutable checksummed segments (bit-exact resume from the last and from an earli
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -99,17 +100,34 @@ def test_resident_memory_of_the_store_does_not_grow_with_the_population(tmp_path
         assert not os.path.exists(store.work)  # the working files go; the segments stay
 
 
+@pytest.mark.skipif(os.name == "nt", reason="the working files' owner lock is POSIX flock")
 def test_working_files_of_a_killed_process_are_removed(tmp_path: Path) -> None:
-    stale = tmp_path / "rank-0" / "work-999999999-0badc0de"  # above any pid_max: that process is not running
-    stale.mkdir(parents=True)
-    (stale / "0.rows").write_bytes(b"x" * 100)
-    partial = tmp_path / "rank-0" / "segments" / ".seg-999999999-0badc0de.partial"
-    partial.parent.mkdir()
-    partial.write_bytes(b"half a segment")
-    mine = partial.with_name(f".seg-{os.getpid()}-0badc0de.partial")  # a live process's: kept
-    mine.write_bytes(b"being written")
-    store = DiskClientStateStore.lazy(tmp_path, 4, {"c": torch.zeros(3)})
-    assert not stale.exists() and not partial.exists() and mine.exists() and os.path.isdir(store.work)
+    """A killed store's files (its owner file written on this kernel, its lock released by the kernel) are removed;
+    those of a store that still holds its lock stay (a pid proves nothing across PID namespaces: issue 41)."""
+    import fcntl
+
+    rank = tmp_path / "rank-0"
+    (rank / "segments").mkdir(parents=True)
+
+    def leftover(owner: str) -> tuple[Path, Path]:
+        work = rank / f"work-{owner}"
+        work.mkdir()
+        (work / "0.rows").write_bytes(b"x" * 100)
+        partial = rank / "segments" / f".seg-{owner}-1-0badc0de.partial"
+        partial.write_bytes(b"half a segment")
+        (rank / f"work-{owner}.lock").write_text(json.dumps({"kernel": disk_state._kernel_id()}))
+        return work, partial
+
+    stale, live = leftover("999999999-0badc0de"), leftover("999999998-00ff00ff")
+    held = os.open(rank / "work-999999998-00ff00ff.lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live store's lock: kept
+    try:
+        store = DiskClientStateStore.lazy(tmp_path, 4, {"c": torch.zeros(3)})
+        assert not stale[0].exists() and not stale[1].exists() and not (rank / "work-999999999-0badc0de.lock").exists()
+        assert live[0].is_dir() and live[1].exists() and os.path.isdir(store.work)
+        store.close()
+    finally:
+        os.close(held)
 
 
 class _PerClient(FedAvg):
