@@ -100,18 +100,22 @@ class BatchGatherer:
             buffer = self.buffers[name] = torch.empty(shape, dtype=source.dtype, device=source.device)
         return buffer
 
-    def test_batches(self, clients: Tensor) -> Batch:
-        """The listed clients' padded test sets ``[C, width, ...]``. They never change, so gathers are kept, one
-        per chunk of clients, while they add up to at most :data:`TEST_CACHE_BYTES`, and an evaluation of the
-        same chunks does not copy them again."""
-        key = (self.device, tuple(clients.tolist()))
+    def test_batches(self, clients: Tensor, width: int | None = None) -> Batch:
+        """The listed clients' padded test sets ``[C, width, ...]`` (``width``: the widest client's test set by
+        default; at least the widest of ``clients``). They never change, so gathers are kept, one per chunk of
+        clients, while they add up to at most :data:`TEST_CACHE_BYTES`, and an evaluation of the same chunks does
+        not copy them again."""
+        width = self.test_width if width is None else int(width)
+        key = (self.device, tuple(clients.tolist()), width)
         cache: dict[Any, Batch] = self.test_cache if self.test_cache is not None else {}
         self.test_cache = cache
         if key in cache:
             return cache[key]
         offsets = self.data.test_offsets.cpu()
         counts = offsets[clients + 1] - offsets[clients]  # O(C), not O(K): one chunk of a streamed evaluation
-        pos = torch.arange(self.test_width)
+        if clients.numel() and int(counts.max()) > width:
+            raise ValueError(f"test_batches: width {width} is narrower than a listed client's {int(counts.max())} rows")
+        pos = torch.arange(width)
         mask = (pos.unsqueeze(0) < counts.unsqueeze(1)).to(torch.float32)
         idx = (offsets[clients].unsqueeze(1) + pos.unsqueeze(0)) * mask.long()
         batch = Batch(rows(self.data.test_x, idx), rows(self.data.test_y, idx), mask.to(self.device))
