@@ -176,6 +176,7 @@ class Settings:
     trainer: tuple[tuple[str, Any], ...] = ()  #: extra ``trainer`` options (``callbacks`` are appended)
     state: Path | None = None  #: in-progress checkpoints (``None``: ``work / "checkpoints"``)
     ckpt_every: int = 5  #: rounds between a run's checkpoints
+    data_root: str | None = None  #: Fashion-MNIST's folder where it is not the default (a GPU machine's copy)
 
     @property
     def state_dir(self) -> Path:
@@ -358,6 +359,8 @@ def _with_checkpoints(config: dict[str, Any], run_id: str, settings: Settings) -
     if config["data"].get("eval_every") != 1:
         raise ValueError("checkpoints every_n_epochs count rounds only with data.eval_every 1")
     out = copy.deepcopy(config)
+    if settings.data_root is not None:
+        out["data"]["root"] = settings.data_root  # where the files are: not part of the key's text
     for callback in out["trainer"].get("callbacks", []):
         if callback["class_path"].endswith(".EarlyStopping"):
             # check after each evaluation, not at the training epoch's end: the same checks on the same numbers
@@ -656,7 +659,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     else:
         settings = Settings(max_rounds=args.max_rounds, records=args.out.with_suffix(".jsonl"),
                             work=args.work or REPO / "runs" / args.out.name)
-    return replace(settings, state=args.state_dir, ckpt_every=args.ckpt_every)
+    return replace(settings, state=args.state_dir, ckpt_every=args.ckpt_every, data_root=args.data_root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -681,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-progress checkpoints, one file per run (default WORK/checkpoints, git-ignored); "
                              "on a GPU machine a folder under $OUT, given back to the next run")
     parser.add_argument("--ckpt-every", type=int, default=5, help="rounds between a run's checkpoints")
+    parser.add_argument("--data-root", default=None,
+                        help="Fashion-MNIST's .gz files where they are not /usr/share/datasets/fashion-mnist (the "
+                             "run's config only: records keep their keys)")
     args = parser.parse_args(argv)
     if args.ckpt_every < 1:
         parser.error("--ckpt-every must be >= 1")
