@@ -8,7 +8,7 @@
   emptied first (a stale history must never be read), its output kept in ``OUT/run.log``, and its numbers read
   from what ``fedmeta fit`` writes, the newest ``fedmeta_history.json`` under ``OUT`` (``PlotCallback``), never
   re-computed. :func:`fit_record` adds :func:`final_metrics`: the final-round accuracies, the best round, the
-  per-client accuracies and the curve.
+  per-client accuracies and the curve. :func:`run_fit_until` is the same run ended at a deadline (a time budget).
 * **In-process runs**: :func:`limit_threads` and :func:`quiet_trainer` (a CPU Trainer with logging,
   checkpointing, progress bar and sanity checks off).
 * **Reports**: :func:`mean_std`, :func:`pct`, :func:`fmt_duration`, :func:`sha256_text`, :func:`git_commit`.
@@ -30,15 +30,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "REPO", "FitRun", "append_record", "final_metrics", "fit_command", "fit_record", "fmt_duration", "git_commit",
+    "REPO", "DeadlineRun", "FitRun", "append_record", "final_metrics", "fit_command", "fit_record", "fmt_duration",
+    "git_commit",
     "limit_threads", "mean_std", "pct", "quiet_trainer", "read_history", "read_records", "records_by_key",
-    "run_fit", "sha256_text", "thread_env", "utc_now",
+    "run_fit", "run_fit_until", "sha256_text", "thread_env", "utc_now",
 ]
 
 #: the repository root (benchmarks/..)
@@ -246,3 +247,71 @@ def fmt_duration(s: float) -> str:
     """Seconds as ``1h02m`` or ``3m05s``."""
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# -- fedmeta fit in a subprocess, stopped at a deadline ---------------------------------------------------
+@dataclass(frozen=True)
+class DeadlineRun:
+    """:class:`FitRun` of :func:`run_fit_until`, and whether the process was stopped at the deadline."""
+
+    run: FitRun
+    killed: bool  #: ``True``: the deadline came first and the process was ended (no history is read)
+
+
+def run_fit_until(config: str | os.PathLike[str], out_dir: str | os.PathLike[str], overrides: Sequence[str] = (),
+                  *, deadline: float | None = None, threads: int | None = None,
+                  cwd: str | os.PathLike[str] | None = None, poll_s: float = 0.5, grace_s: float = 10.0,
+                  clock: Callable[[], float] = time.monotonic) -> DeadlineRun:
+    """:func:`run_fit`, ended at ``deadline`` (a ``clock()`` value, ``time.monotonic`` by default; ``None``: no
+    limit).
+
+    The process runs in its own process session with its output written to files (no pipe to fill while it is
+    polled every ``poll_s``); at the deadline its process group gets SIGTERM, then SIGKILL after ``grace_s``. A
+    killed run's folder keeps ``run.log``; its history is not read (the run did not finish). What the process
+    wrote elsewhere (a checkpoint folder named in its config) stays, so a later run can resume from it.
+    """
+    import signal
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a stale history from an earlier run must never be read
+    out_dir.mkdir(parents=True)
+    cmd = fit_command(config, out_dir, overrides)
+    command = "fedmeta " + " ".join(cmd[3:])
+    stdout_path, stderr_path = out_dir / "stdout.txt", out_dir / "stderr.txt"
+    start = time.perf_counter()
+    killed = False
+    with stdout_path.open("w") as out, stderr_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True, env=thread_env(threads),
+                                start_new_session=True)
+        while proc.poll() is None:
+            if deadline is not None and clock() >= deadline:
+                killed = True
+                for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+                    try:
+                        os.killpg(proc.pid, sig)  # the child's own group: it and the workers it started
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=wait)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                proc.wait()
+                break
+            time.sleep(poll_s)
+    wall_s = time.perf_counter() - start
+    finished = utc_now()
+    stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
+    (out_dir / "run.log").write_text(stdout + "\n--- stderr ---\n" + stderr)
+    stdout_path.unlink()
+    stderr_path.unlink()
+    if killed:
+        return DeadlineRun(FitRun(command, wall_s, finished, "stopped at the deadline", None), True)
+    if proc.returncode != 0:
+        lines = stderr.strip().splitlines()
+        return DeadlineRun(FitRun(command, wall_s, finished, lines[-1] if lines else f"exit status {proc.returncode}",
+                                  None), False)
+    history = read_history(out_dir)
+    return DeadlineRun(FitRun(command, wall_s, finished, None if history else "no fedmeta_history.json written",
+                              history), False)

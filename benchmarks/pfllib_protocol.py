@@ -1,7 +1,8 @@
 """PFLlib's published benchmark protocol on Fashion-MNIST, both label-skew columns (issue 26, item 5).
 
-    python -m benchmarks.pfllib_protocol [--threads 1] [--only fedavg perfedavg] [--splits pat dir]
+    python -m benchmarks.pfllib_protocol [--threads 1] [--only FedAvg Ditto] [--splits pat dir]
                                          [--max-rounds 2000] [--quick] [--report-only]
+                                         [--budget-minutes M] [--state-dir DIR] [--ckpt-every 5]
 
 The protocol of PFLlib's leaderboard (github.com/TsingZ0/PFLlib, docs/benchmark.html, "Other Implementation
 Details"): 20 clients, all join every round, each client's rows split 75/25, batch 10, 1 local epoch (PFLlib's
@@ -27,12 +28,28 @@ Two phases per (algorithm, split), so that nothing is chosen on test data:
    "chosen on test data": PFLlib's leaderboard reports it), the std over clients of the final accuracies, the
    rounds run.
 
-Every run is a ``fedmeta fit`` process (:func:`benchmarks.harness.run_fit`) on a config written from
+Every run is a ``fedmeta fit`` process (:func:`benchmarks.harness.run_fit_until`) on a config written from
 :func:`run_config`; its record is appended to ``benchmarks/results/pfllib_protocol.jsonl`` under the key
-``sha256(config text)[:16]/seed/phase`` and a re-run skips it. The report: ``pfllib_protocol.md`` (a table per
-split, with PFLlib's published number for the cell, :data:`PUBLISHED`) and ``pfllib_protocol.png`` (the
-seed-mean test curves of the finals). ``--quick`` (FedAvg and Ditto, 3 rounds at most, 4 clients of 40 rows as
-``shards``, 1 seed, a stop rule that fires at round 2) is the smoke test of tests/benchmarks/test_pfllib_protocol.py.
+``sha256(config text)[:16]/seed/phase`` and a re-run skips it.
+
+Runs resume inside themselves (issue 38, item 5): each run adds ``ModelCheckpoint(every_n_epochs=
+--ckpt-every)`` (an epoch is a round here: ``eval_every`` 1) to its config (not to the text its key is hashed
+from: the numbers do not depend on it), writing
+``STATE/<run id>-r<round>.ckpt`` (one file per run, the older one replaced; ``--state-dir``, default
+``runs/STEM/checkpoints``). A run that finds its checkpoint there starts with ``--ckpt_path`` from it; the library
+resumes bit for bit (docs/reliability.md), so its record equals an uninterrupted run's. The checkpoint is deleted
+when the run's record is written. ``--budget-minutes M`` runs the next runs in the issue's order
+(:func:`budget_plan`: the Dir(0.1) column of :data:`FIRST`, then their pathological column, then the rest),
+starts none with less than ``--min-start-s`` left, and ends the run in progress at the deadline (SIGTERM, SIGKILL
+after :data:`KILL_GRACE_S`) (its checkpoint
+stays for the next invocation; a file over 15 MiB is cut into ``.partNN`` pieces, which a GPU machine sends back,
+and joined again at the next start). The report is rewritten after every run; the end prints what remains and
+an estimate of its minutes at the measured seconds per round (:func:`remaining`).
+
+The report: ``pfllib_protocol.md`` (a table per split, with PFLlib's published number for the cell,
+:data:`PUBLISHED`) and ``pfllib_protocol.png`` (the seed-mean test curves of the finals). ``--quick`` (FedAvg and
+Ditto, 3 rounds at most, 4 clients of 40 rows as ``shards``, 1 seed, a stop rule that fires at round 2) is the
+smoke test of tests/benchmarks/test_pfllib_protocol.py.
 """
 
 from __future__ import annotations
@@ -40,9 +57,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +74,13 @@ from benchmarks.harness import (
     mean_std,
     pct,
     records_by_key,
-    run_fit,
+    run_fit_until,
     sha256_text,
     utc_now,
 )
 
-__all__ = ["PUBLISHED", "SPECS", "SPLITS", "Settings", "local_work", "main", "plan", "run_config", "summarise"]
+__all__ = ["FIRST", "PUBLISHED", "SPECS", "SPLITS", "Settings", "budget_plan", "local_work", "main", "plan",
+           "remaining", "run_config", "run_one", "summarise"]
 
 RESULTS = REPO / "benchmarks" / "results"
 BASE_CONFIG = REPO / "configs" / "datasets" / "fmnist_pfllib.yaml"
@@ -153,6 +173,14 @@ class Settings:
     model: tuple[tuple[str, Any], ...] = ()  #: extra ``model`` options (``--quick``: no compilation)
     records: Path = RESULTS / "pfllib_protocol.jsonl"
     work: Path = REPO / "runs" / "pfllib_protocol"  #: run folders and configs (git-ignored)
+    trainer: tuple[tuple[str, Any], ...] = ()  #: extra ``trainer`` options (``callbacks`` are appended)
+    state: Path | None = None  #: in-progress checkpoints (``None``: ``work / "checkpoints"``)
+    ckpt_every: int = 5  #: rounds between a run's checkpoints
+    data_root: str | None = None  #: Fashion-MNIST's folder where it is not the default (a GPU machine's copy)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.state if self.state is not None else self.work / "checkpoints"
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +214,10 @@ def run_config(label: str, split: str, phase: str, rounds: int, settings: Settin
             "init_args": {"monitor": "val/acc_weighted", "mode": "max", "min_delta": settings.min_delta,
                           "patience": settings.patience},
         }]
+    extra = dict(settings.trainer)
+    if "callbacks" in extra:
+        trainer["callbacks"] = [*trainer.get("callbacks", []), *copy.deepcopy(extra.pop("callbacks"))]
+    trainer.update(copy.deepcopy(extra))
     config = _merge(base, {"trainer": trainer, "data": data, "model": dict(settings.model)})
     config["model"]["algorithm"] = algorithm
     return config
@@ -217,6 +249,11 @@ def local_work(label: str, split: str, phase: str, settings: Settings) -> tuple[
     return work, f"{steps} steps (median client's epoch; local_epochs refused)"
 
 
+#: the budget's clock (``time.monotonic``; a test replaces it to end a run at a chosen moment)
+CLOCK = time.monotonic
+#: seconds between SIGTERM and SIGKILL of a run ended at the deadline (its checkpoints are written atomically)
+KILL_GRACE_S = 3.0
+
 _COUNTS: dict[tuple[str, str, tuple[tuple[str, Any], ...]], list[int]] = {}
 
 
@@ -240,33 +277,152 @@ def plan(labels: list[str], splits: list[str]) -> list[tuple[str, str]]:
     return [(label, split) for label in labels for split in splits]
 
 
+#: issue 38's order for the budgeted runs: these algorithms' Dir(0.1) column first, then their pathological one
+FIRST = ["FedAvg", "Per-FedAvg", "Ditto", "FedPer", "FedRep", "APFL", "FedALA", "FedDBE"]
+
+
+def budget_plan(labels: list[str], splits: list[str]) -> list[tuple[str, str]]:
+    """The cells in the order ``--budget-minutes`` runs them: :data:`FIRST` on ``dir``, then on ``pat``, then
+    the other algorithms (:data:`SPECS` order) on ``dir``, then on ``pat`` (only ``labels`` and ``splits``)."""
+    first = [label for label in FIRST if label in labels]
+    rest = [label for label in SPECS if label in labels and label not in FIRST]
+    order = [s for s in ("dir", "pat") if s in splits] + [s for s in splits if s not in ("dir", "pat")]
+    return [(label, split) for group in (first, rest) for split in order for label in group]
+
+
 def _key(config_text: str, seed: int, phase: str) -> str:
     return f"{sha256_text(config_text)[:16]}/{seed}/{phase}"
 
 
 def run_one(label: str, split: str, phase: str, seed: int, rounds: int, settings: Settings,
-            records: dict[str, dict[str, Any]], threads: int | None) -> dict[str, Any]:
-    """Run (or read back) one ``fedmeta fit`` of the cell: its record, appended to ``settings.records`` when new."""
+            records: dict[str, dict[str, Any]], threads: int | None,
+            deadline: float | None = None) -> dict[str, Any] | None:
+    """Run (or read back) one ``fedmeta fit`` of the cell: its record, appended to ``settings.records`` when new.
+
+    The run resumes from its checkpoint in ``settings.state_dir`` when there is one, and writes one every
+    ``settings.ckpt_every`` rounds. ``deadline`` (a :data:`CLOCK` value) ends it: then nothing is recorded, the
+    checkpoint stays, and ``None`` is returned."""
     work, work_label = local_work(label, split, phase, settings)
     text = yaml.safe_dump(run_config(label, split, phase, rounds, settings, work), sort_keys=False)
     key = _key(text, seed, phase)
     if key in records:
         return records[key]
-    config = settings.work / "configs" / f"{sha256_text(text)[:16]}.yaml"
+    digest = sha256_text(text)[:16]
+    run_id = _run_id(label, split, phase, seed, text)
+    config = settings.work / "configs" / f"{digest}_s{seed}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(text)
+    config.write_text(yaml.safe_dump(_with_checkpoints(yaml.safe_load(text), run_id, settings), sort_keys=False))
     out = settings.work / f"{label}_{split}_{phase}_s{seed}"
-    print(f"[pfllib_protocol] {utc_now()} {label} {split} {phase} seed {seed}: up to {rounds} rounds", flush=True)
+    overrides = ["--seed_everything", str(seed)]
+    resume = _checkpoint(settings.state_dir, run_id)
+    if resume is not None:
+        overrides += ["--ckpt_path", str(resume[1])]
+    print(f"[pfllib_protocol] {utc_now()} {label} {split} {phase} seed {seed}: up to {rounds} rounds"
+          + (f", resuming at round {resume[0]}" if resume else ""), flush=True)
     rec: dict[str, Any] = {"key": key, "algorithm": label, "split": split, "phase": phase, "seed": seed,
                            "local_work": work_label, "max_rounds": rounds}
-    run = run_fit(config, out, ["--seed_everything", str(seed)], threads=threads)
-    rec.update(command=run.command, wall_s=run.wall_s, finished_at=run.finished_at, threads=threads)
+    outcome = run_fit_until(config, out, overrides, deadline=deadline, threads=threads, clock=lambda: CLOCK(),
+                            grace_s=KILL_GRACE_S)
+    run = outcome.run
+    if outcome.killed:
+        now = _checkpoint(settings.state_dir, run_id)
+        print(f"[pfllib_protocol]   stopped at the budget's deadline after {fmt_duration(run.wall_s)}; "
+              + (f"checkpoint of round {now[0]} kept: {now[1]}" if now else "no checkpoint yet"), flush=True)
+        return None
+    rec.update(command=run.command, wall_s=run.wall_s, finished_at=run.finished_at, threads=threads,
+               resumed_from_round=resume[0] if resume else 0)
     rec.update(_metrics(run.history) if run.history is not None else {"error": run.error})
     append_record(settings.records, rec)
     records[key] = rec
+    for path in settings.state_dir.glob(f"{run_id}-r*.ckpt*"):
+        path.unlink()  # the run is recorded: its checkpoints are done with
     print(f"[pfllib_protocol]   {rec.get('rounds')} rounds, acc {rec.get('acc')}, {fmt_duration(run.wall_s)}"
           + (f", error: {rec['error']}" if "error" in rec else ""), flush=True)
     return rec
+
+
+def _run_id(label: str, split: str, phase: str, seed: int, text: str) -> str:
+    """A run's name in the checkpoint folder: readable, and tied to its config text (a changed config never
+    resumes another's checkpoint). Letters, digits, ``_`` and ``-`` only (what a GPU machine sends back)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{label}_{split}_{phase}_s{seed}_{sha256_text(text)[:12]}")
+
+
+def _with_checkpoints(config: dict[str, Any], run_id: str, settings: Settings) -> dict[str, Any]:
+    """``config`` with a ``ModelCheckpoint`` writing ``STATE/RUN_ID-r<round>.ckpt`` every ``ckpt_every`` rounds
+    (the latest only; it replaces ``fedmeta fit``'s default checkpoint after every evaluation), and its
+    ``EarlyStopping`` checking after each evaluation (``check_on_train_epoch_end: false``).
+
+    It counts epochs (``every_n_epochs``), which are rounds here (``data.eval_every`` 1), so each checkpoint is
+    written after its round's evaluation, with ``EarlyStopping``'s state updated by it (Lightning runs checkpoint
+    callbacks last). ``every_n_train_steps`` writes before the evaluation, and a stop run resumed from such a
+    checkpoint ran one round longer than the uninterrupted run here (quick run: 3 rounds against 2)."""
+    if config["data"].get("eval_every") != 1:
+        raise ValueError("checkpoints every_n_epochs count rounds only with data.eval_every 1")
+    out = copy.deepcopy(config)
+    if settings.data_root is not None:
+        out["data"]["root"] = settings.data_root  # where the files are: not part of the key's text
+    for callback in out["trainer"].get("callbacks", []):
+        if callback["class_path"].endswith(".EarlyStopping"):
+            # check after each evaluation, not at the training epoch's end: the same checks on the same numbers
+            # (one evaluation per epoch), but a run resumed from a checkpoint written after an evaluation re-runs
+            # that epoch's end with no metric yet, which the epoch-end check refuses (RuntimeError, seen here)
+            callback.setdefault("init_args", {})["check_on_train_epoch_end"] = False
+    out["trainer"].setdefault("callbacks", []).append({
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(settings.state_dir), "filename": run_id + "-r{step}",
+                      "auto_insert_metric_name": False, "every_n_epochs": settings.ckpt_every,
+                      "save_top_k": 1, "save_last": False, "enable_version_counter": False},
+    })
+    return out
+
+
+_CKPT = re.compile(r"-r(\d+)\.ckpt$")
+
+
+def _checkpoint(state: Path, run_id: str) -> tuple[int, Path] | None:
+    """The newest checkpoint of ``run_id`` in ``state``: ``(round, path)``, or ``None``."""
+    found = [(int(m.group(1)), p) for p in state.glob(f"{run_id}-r*.ckpt") if (m := _CKPT.search(p.name))]
+    return max(found) if found else None
+
+
+#: the largest file a GPU machine sends back is 16 MiB: a bigger checkpoint travels in pieces
+PART_BYTES = 15 * 2**20
+
+
+def split_checkpoints(state: Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """Cut every ``*.ckpt`` in ``state`` larger than ``part_bytes`` into ``NAME.partNN`` pieces (the file is
+    removed); :func:`join_checkpoints` restores it. Returns the pieces written."""
+    pieces = []
+    for path in sorted(state.glob("*.ckpt")) if state.exists() else []:
+        if path.stat().st_size <= part_bytes:
+            continue
+        with path.open("rb") as fh:
+            i = 0
+            while chunk := fh.read(part_bytes):
+                piece = path.with_name(f"{path.name}.part{i:02d}")
+                piece.write_bytes(chunk)
+                pieces.append(piece)
+                i += 1
+        path.unlink()
+    return pieces
+
+
+def join_checkpoints(state: Path) -> list[Path]:
+    """Join the ``NAME.partNN`` pieces of :func:`split_checkpoints` back into ``NAME`` (pieces removed)."""
+    joined = []
+    firsts = sorted(state.glob("*.ckpt.part00")) if state.exists() else []
+    for first in firsts:
+        target = first.with_name(first.name[: -len(".part00")])
+        pieces = sorted(state.glob(target.name + ".part*"))
+        tmp = target.with_name(target.name + ".joining")
+        with tmp.open("wb") as fh:
+            for piece in pieces:
+                fh.write(piece.read_bytes())
+        tmp.replace(target)
+        for piece in pieces:
+            piece.unlink()
+        joined.append(target)
+    return joined
 
 
 def _metrics(doc: dict[str, Any]) -> dict[str, Any]:
@@ -288,14 +444,28 @@ def _metrics(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_cell(label: str, split: str, settings: Settings, records: dict[str, dict[str, Any]],
-             threads: int | None) -> None:
+             threads: int | None, deadline: float | None = None, min_start_s: float = 0.0,
+             after_run: Any = None) -> bool:
     """Both phases of one cell: the stopping round on validation rows (seed 0), then the finals for that many
-    rounds on the test rows (``settings.seeds``)."""
-    stop = run_one(label, split, "stop", 0, settings.max_rounds, settings, records, threads)
+    rounds on the test rows (``settings.seeds``). With a ``deadline`` (a :data:`CLOCK` value), no run starts with
+    less than ``min_start_s`` left and the run in progress is ended at it; ``after_run()`` is called after each
+    recorded run. Returns ``False`` when the deadline stopped the cell before it was done."""
+    def one(phase: str, seed: int, rounds: int) -> dict[str, Any] | None:
+        if _find(records, label, split, phase, seed, settings, rounds) is None:
+            if deadline is not None and deadline - CLOCK() < min_start_s:
+                return None
+            rec = run_one(label, split, phase, seed, rounds, settings, records, threads, deadline)
+            if rec is not None and after_run is not None:
+                after_run()
+            return rec
+        return run_one(label, split, phase, seed, rounds, settings, records, threads)
+
+    stop = one("stop", 0, settings.max_rounds)
+    if stop is None:
+        return False
     if "error" in stop:
-        return
-    for seed in settings.seeds:
-        run_one(label, split, "final", seed, stop["rounds"], settings, records, threads)
+        return True
+    return all(one("final", seed, stop["rounds"]) is not None for seed in settings.seeds)
 
 
 def pending(labels: list[str], splits: list[str], settings: Settings, records: dict[str, dict[str, Any]]) -> int:
@@ -309,6 +479,50 @@ def pending(labels: list[str], splits: list[str], settings: Settings, records: d
         todo += sum(_find(records, label, split, "final", s, settings, stop.get("rounds")) is None
                     for s in settings.seeds) if "error" not in stop else 0
     return todo
+
+
+def remaining(cells: list[tuple[str, str]], settings: Settings,
+              records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What is left of ``cells``: the runs without a record (a stop not yet run counts its finals at the median
+    stopping round recorded, else at the cap), their rounds, and minutes at the median seconds per round of the
+    recorded runs (whole processes; a resumed run's rounds counted from its checkpoint)."""
+    done = [r for r in records.values() if "error" not in r and r.get("rounds")]
+    rates = [r["wall_s"] / max(1, r["rounds"] - r.get("resumed_from_round", 0)) for r in done]
+    stop_rounds = [r["rounds"] for r in done if r["phase"] == "stop"]
+    typical = int(statistics.median(stop_rounds)) if stop_rounds else settings.max_rounds
+    runs: list[str] = []
+    rounds = 0
+    for label, split in cells:
+        stop = _find(records, label, split, "stop", 0, settings)
+        if stop is None:
+            runs.append(f"{label} {split} stop")
+            rounds += typical
+            stop_n = typical
+        elif "error" in stop:
+            continue
+        else:
+            stop_n = stop["rounds"]
+        for seed in settings.seeds:
+            if stop is None or _find(records, label, split, "final", seed, settings, stop_n) is None:
+                runs.append(f"{label} {split} final s{seed}")
+                rounds += stop_n
+    per_round = statistics.median(rates) if rates else None
+    left = [p.name for p in sorted(settings.state_dir.glob("*.ckpt*"))] if settings.state_dir.exists() else []
+    return {"runs": runs, "rounds": rounds, "s_per_round": per_round,
+            "minutes": None if per_round is None else rounds * per_round / 60, "checkpoints": left,
+            "stop_rounds_assumed": typical}
+
+
+def remaining_text(left: dict[str, Any]) -> str:
+    """One paragraph of :func:`remaining`."""
+    if not left["runs"]:
+        return "Nothing remains of this plan."
+    head = ", ".join(left["runs"][:12]) + (f", … ({len(left['runs'])} runs)" if len(left["runs"]) > 12 else "")
+    rate = (f"about {left['minutes']:.0f} min at {left['s_per_round']:.2f} s per round (the median of the recorded "
+            "runs)" if left["minutes"] is not None else "no recorded run to measure a round by")
+    ckpt = f"; in-progress checkpoints: {', '.join(left['checkpoints'])}" if left["checkpoints"] else ""
+    return (f"Remaining: {len(left['runs'])} runs ({head}), about {left['rounds']} rounds (a stop not yet run counted "
+            f"at {left['stop_rounds_assumed']} rounds), {rate}{ckpt}.")
 
 
 def _find(records: dict[str, dict[str, Any]], label: str, split: str, phase: str, seed: int, settings: Settings,
@@ -352,7 +566,7 @@ def _stop_cell(stop: dict[str, Any] | None, max_rounds: int) -> str:
 
 
 def write_report(records: list[dict[str, Any]], labels: list[str], splits: list[str], settings: Settings,
-                 out: Path, command: str) -> None:
+                 out: Path, command: str, left: dict[str, Any] | None = None) -> None:
     """``out`` (Markdown): the protocol, then a table per split."""
     lines = [
         "# PFLlib's benchmark protocol on Fashion-MNIST", "",
@@ -371,6 +585,8 @@ def write_report(records: list[dict[str, Any]], labels: list[str], splits: list[
         "test data), 3 trials.", "",
     ]
     lines += _timing_lines(records, settings)
+    if left is not None:
+        lines += [remaining_text(left), ""]
     for split in splits:
         lines += [f"## {split}: {SPLIT_TITLES[split]}", "",
                   "| algorithm | local work | stopping round (val acc) | seeds | final acc | best round (chosen on "
@@ -436,12 +652,14 @@ QUICK_DATA = (("partition", "shards"), ("num_clients", 4), ("max_samples_per_cli
 
 def _settings(args: argparse.Namespace) -> Settings:
     if args.quick:
-        return Settings(max_rounds=3, patience=1, min_delta=1.0, seeds=(0,), data=QUICK_DATA,
-                        model=(("clients_per_round", 4), ("compile_clients", False)),
-                        records=args.out.with_suffix(".jsonl"),
-                        work=args.out.parent / (args.out.name + "_runs"))
-    return Settings(max_rounds=args.max_rounds, records=args.out.with_suffix(".jsonl"),
-                    work=args.work or REPO / "runs" / args.out.name)
+        settings = Settings(max_rounds=3, patience=1, min_delta=1.0, seeds=(0,), data=QUICK_DATA,
+                            model=(("clients_per_round", 4), ("compile_clients", False)),
+                            records=args.out.with_suffix(".jsonl"),
+                            work=args.work or args.out.parent / (args.out.name + "_runs"))
+    else:
+        settings = Settings(max_rounds=args.max_rounds, records=args.out.with_suffix(".jsonl"),
+                            work=args.work or REPO / "runs" / args.out.name)
+    return replace(settings, state=args.state_dir, ckpt_every=args.ckpt_every, data_root=args.data_root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,26 +670,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rounds", type=int, default=2000, help="the stop phase's cap (PFLlib: 2000)")
     parser.add_argument("--out", type=Path, default=RESULTS / "pfllib_protocol",
                         help="results stem: STEM.jsonl (records), STEM.md (report), STEM.png (curves)")
-    parser.add_argument("--work", type=Path, default=None, help="run folders (default runs/STEM, git-ignored)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="run folders and configs (default runs/STEM, git-ignored; --quick: STEM_runs)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: FedAvg and Ditto, 4 clients of 40 rows, stop at round 2, 1 seed")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the records")
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help="run the next runs in issue 38's order (FIRST on dir, then on pat, then the rest) "
+                             "within M minutes; the run in progress at the deadline is ended, its checkpoint kept")
+    parser.add_argument("--min-start-s", type=float, default=60.0,
+                        help="with --budget-minutes: start no run with less than this many seconds left")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="in-progress checkpoints, one file per run (default WORK/checkpoints, git-ignored); "
+                             "on a GPU machine a folder under $OUT, given back to the next run")
+    parser.add_argument("--ckpt-every", type=int, default=5, help="rounds between a run's checkpoints")
+    parser.add_argument("--data-root", default=None,
+                        help="Fashion-MNIST's .gz files where they are not /usr/share/datasets/fashion-mnist (the "
+                             "run's config only: records keep their keys)")
     args = parser.parse_args(argv)
+    if args.ckpt_every < 1:
+        parser.error("--ckpt-every must be >= 1")
+    start, started = CLOCK(), time.monotonic()
+    deadline = None if args.budget_minutes is None else start + 60 * args.budget_minutes
     settings = _settings(args)
     labels = args.only or (QUICK_ALGORITHMS if args.quick else list(SPECS))
     splits = args.splits or (["pat"] if args.quick else list(SPLITS))
+    cells = budget_plan(labels, splits) if deadline is not None else plan(labels, splits)
     records = records_by_key(settings.records)
-    if not args.report_only:
-        print(f"[pfllib_protocol] {len(plan(labels, splits))} cells, "
-              f"{pending(labels, splits, settings, records)} to run", flush=True)
-        for label, split in plan(labels, splits):
-            run_cell(label, split, settings, records, args.threads)
-    ordered = sorted(records.values(), key=lambda r: r.get("finished_at", ""))
     command = "python -m benchmarks.pfllib_protocol " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_report(ordered, labels if args.only or args.quick else list(SPECS), splits, settings,
-                 args.out.with_suffix(".md"), command)
-    plot(ordered, labels, splits, args.out.with_suffix(".png"))
+    report_labels = labels if args.only or args.quick else list(SPECS)
+
+    def report() -> None:
+        ordered = sorted(records.values(), key=lambda r: r.get("finished_at", ""))
+        write_report(ordered, report_labels, splits, settings, args.out.with_suffix(".md"), command,
+                     remaining(cells, settings, records))
+
+    if not args.report_only:
+        for piece in join_checkpoints(settings.state_dir):
+            print(f"[pfllib_protocol] joined the pieces of {piece}", flush=True)
+        print(f"[pfllib_protocol] {len(cells)} cells, {pending(labels, splits, settings, records)} to run"
+              + (f", budget {args.budget_minutes:g} min" if deadline is not None else ""), flush=True)
+        for label, split in cells:
+            if not run_cell(label, split, settings, records, args.threads, deadline, args.min_start_s, report):
+                print(f"[pfllib_protocol] budget spent ({fmt_duration(time.monotonic() - started)}): stopping "
+                      f"before the rest of {label} {split}", flush=True)
+                break
+        for piece in split_checkpoints(settings.state_dir):
+            print(f"[pfllib_protocol] checkpoint piece (for a transfer of files up to 16 MiB): {piece}", flush=True)
+    report()
+    plot(sorted(records.values(), key=lambda r: r.get("finished_at", "")), labels, splits,
+         args.out.with_suffix(".png"))
     print(f"[pfllib_protocol] report: {args.out.with_suffix('.md')}", flush=True)
+    print(f"[pfllib_protocol] {remaining_text(remaining(cells, settings, records))}", flush=True)
     return 0
 
 

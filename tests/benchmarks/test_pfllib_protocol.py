@@ -1,14 +1,19 @@
 """benchmarks/pfllib_protocol.py: the phase configs, the epoch fallback, the --quick run, its records, resume
-and report."""
+and report, the budgeted order, and a run cut at its budget's deadline that resumes from its checkpoint."""
 
 from __future__ import annotations
 
+import math
+import os
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import Callback
 
 from benchmarks import pfllib_protocol as pp
-from benchmarks.harness import read_records
+from benchmarks.harness import REPO, read_records
 
 
 def test_the_stop_phase_validates_with_early_stopping_and_the_final_phase_tests() -> None:
@@ -61,6 +66,7 @@ def test_summary_takes_the_finals_of_the_stop_rounds_and_cites_pfllib() -> None:
     assert row["best_acc"][0] == pytest.approx(0.82) and row["published"] == "80.41 ± 0.08"
 
 
+@pytest.mark.spawns
 def test_quick_run_writes_records_and_report_and_resumes(tmp_path: Path, capsys) -> None:
     out = tmp_path / "pfllib"
     argv = ["--quick", "--only", "FedAvg", "--out", str(out)]
@@ -86,3 +92,75 @@ def test_the_cost_paragraph_quotes_the_measured_round_and_the_recorded_runs(tmp_
     text = "\n".join(pp._timing_lines(records, settings))
     assert "One FedAvg round took 190 s at load 9." in text and "Recorded runs: 2" in text
     assert "median 75 s per round" in text  # the median of 100 and 50 s per round
+
+
+class HangAtRound(Callback):
+    """Loaded by ``fedmeta fit`` from a test's config: with ``FEDMETA_TEST_HANG_AT_ROUND=R`` in the environment it
+    writes the file ``FEDMETA_TEST_HANG_MARKER`` and sleeps at the start of round ``R`` (after the checkpoints of
+    the rounds before), so the budget's deadline comes while the run is in progress; without it, it does nothing
+    (the same config runs through)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        at = os.environ.get("FEDMETA_TEST_HANG_AT_ROUND")
+        if at and trainer.global_step + 1 == int(at):
+            Path(os.environ["FEDMETA_TEST_HANG_MARKER"]).touch()
+            time.sleep(600)
+
+
+def test_the_budget_runs_the_issue_order_dir_first_then_pat_then_the_rest() -> None:
+    cells = pp.budget_plan(["FedBN", "Ditto", "FedAvg", "FedDBE"], ["pat", "dir"])
+    assert cells == [("FedAvg", "dir"), ("Ditto", "dir"), ("FedDBE", "dir"), ("FedAvg", "pat"), ("Ditto", "pat"),
+                     ("FedDBE", "pat"), ("FedBN", "dir"), ("FedBN", "pat")]
+    assert pp.budget_plan(list(pp.SPECS), ["dir", "pat"])[:8] == [(label, "dir") for label in pp.FIRST]
+
+
+def test_checkpoints_over_16_mib_travel_in_pieces_and_join_back(tmp_path: Path) -> None:
+    big, small = tmp_path / "Ditto_dir_stop_s0_abc-r5.ckpt", tmp_path / "FedAvg_dir_stop_s0_abc-r5.ckpt"
+    payload = os.urandom(2500)
+    big.write_bytes(payload)
+    small.write_bytes(b"x" * 10)
+    pieces = pp.split_checkpoints(tmp_path, part_bytes=1000)
+    assert [p.name for p in pieces] == [big.name + f".part0{i}" for i in range(3)] and not big.exists()
+    assert small.exists()  # small enough to travel whole
+    assert pp.join_checkpoints(tmp_path) == [big] and big.read_bytes() == payload
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([big.name, small.name])
+
+
+@pytest.mark.spawns
+def test_a_budgeted_run_cut_at_its_deadline_resumes_to_the_uncut_record(tmp_path: Path, monkeypatch,
+                                                                        capsys) -> None:
+    hang = (("callbacks", [{"class_path": f"{__name__}.HangAtRound"}]),)
+    quick = pp._settings
+    # the stop phase alone (no finals), with the hanging callback in every run's config (same keys in all three)
+    monkeypatch.setattr(pp, "_settings", lambda args: replace(quick(args), seeds=(), trainer=hang))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    ref, cut, state = tmp_path / "ref", tmp_path / "cut", tmp_path / "state"
+    base = ["--quick", "--only", "FedAvg", "--ckpt-every", "1"]
+    assert pp.main([*base, "--out", str(ref)]) == 0
+    (reference,) = read_records(ref.with_suffix(".jsonl"))
+    assert reference["rounds"] == 2 and reference["resumed_from_round"] == 0
+
+    # the run hangs in round 2, and the budget's clock jumps past any deadline once it does: the deadline ends it
+    marker = tmp_path / "hanging"
+    monkeypatch.setenv("FEDMETA_TEST_HANG_AT_ROUND", "2")
+    monkeypatch.setenv("FEDMETA_TEST_HANG_MARKER", str(marker))
+    monkeypatch.setattr(pp, "CLOCK", lambda: math.inf if marker.exists() else time.monotonic())
+    argv = [*base, "--out", str(cut), "--state-dir", str(state), "--min-start-s", "0"]
+    capsys.readouterr()
+    assert pp.main([*argv, "--budget-minutes", "10"]) == 0
+    printed = capsys.readouterr().out
+    assert "stopped at the budget's deadline" in printed and "Remaining: 1 runs (FedAvg pat stop)" in printed
+    assert read_records(cut.with_suffix(".jsonl")) == []  # nothing recorded for a run that did not finish
+    (ckpt,) = state.iterdir()
+    assert ckpt.name.startswith("FedAvg_pat_stop_s0_") and ckpt.name.endswith("-r1.ckpt")
+    assert "Remaining: 1 runs" in cut.with_suffix(".md").read_text()
+
+    monkeypatch.delenv("FEDMETA_TEST_HANG_AT_ROUND")
+    marker.unlink()
+    assert pp.main([*argv, "--budget-minutes", "10"]) == 0
+    assert "resuming at round 1" in capsys.readouterr().out
+    (resumed,) = read_records(cut.with_suffix(".jsonl"))
+    assert resumed["resumed_from_round"] == 1 and resumed["key"] == reference["key"]
+    for field in ("rounds", "acc", "best_acc", "best_round", "client_std", "curve", "eval_split"):
+        assert resumed[field] == reference[field], field  # bit for bit: the same floats
+    assert list(state.iterdir()) == []  # recorded: its checkpoint is gone
