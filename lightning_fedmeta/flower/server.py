@@ -103,7 +103,8 @@ class DeploymentServer:
         log: where progress lines go.
         partition_sizes: every partition's number of training samples, when the operator knows them (run config
             ``partition-sizes``): a node claiming another size is refused. ``None``: each partition's first answer
-            fixes its size (and the first accepted answer fixes ``num-partitions``).
+            fixes its size. ``num-partitions`` (unless pinned) and the data description are what a majority of
+            the nodes claim (:meth:`_decide`), never the first answer alone.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class DeploymentServer:
         self.sizes = None if partition_sizes is None else [int(n) for n in partition_sizes]
         self.partitions: int | None = None if self.sizes is None else len(self.sizes)  # K, once known
         self.description: dict[str, Any] | None = None  # the data description every partition shares
+        self.claims: dict[int, dict[str, Any]] = {}  # node id -> its query reply, while the federation is undecided
         self.waiting: dict[int, int] = {}  # node id -> the partition it claimed while another live node held it
         self.reply_spec: ReplySpec | None = None
         self.history: list[dict[str, Any]] = []
@@ -174,7 +176,39 @@ class DeploymentServer:
             except RejectedReply as exc:
                 self.log(f"[fedmeta] node {node} refused: {exc}")
                 continue
-            self._register(node, data, live)
+            if self.description is None:  # the federation is not decided yet: one claim among the others
+                self.claims[node] = data
+            else:
+                self._register(node, data, live)
+        if self.description is None:
+            self._decide(live)
+
+    def _decide(self, live: set[int]) -> None:
+        """Fix ``num-partitions`` and the data description once one claim of them holds a strict majority of the
+        partitions it names (distinct partition ids) and of the live nodes that answered; then register the
+        nodes that agree and refuse, each by itself, those that do not. No answer decides by being first, and a
+        claimed ``num-partitions`` is never allocated: a decided one is below twice the number of nodes."""
+        self.claims = {n: d for n, d in self.claims.items() if n in live}
+        groups: dict[str, list[int]] = {}
+        for node, data in sorted(self.claims.items()):
+            key = json.dumps([int(data["num-partitions"]), data["description"]], sort_keys=True, default=str)
+            groups.setdefault(key, []).append(node)
+        for nodes in groups.values():
+            first = self.claims[nodes[0]]
+            covered = {int(self.claims[n]["partition-id"]) for n in nodes}
+            if 2 * len(covered) > int(first["num-partitions"]) and 2 * len(nodes) > len(self.claims):
+                self.partitions, self.description = int(first["num-partitions"]), first["description"]
+                break
+        else:
+            return
+        claims, self.claims = self.claims, {}
+        for node, data in sorted(claims.items()):
+            if int(data["num-partitions"]) == self.partitions and data["description"] == self.description:
+                self._register(node, data, live)
+            else:
+                self.log(f"[fedmeta] node {node} refused: it claims num-partitions {data['num-partitions']} and data "
+                         f"{data['description']}; the majority of the nodes claim {self.partitions} and "
+                         f"{self.description}")
 
     def _register(self, node: int, data: dict[str, Any], live: set[int]) -> None:
         """Give ``node`` its claimed partition, unless another live node holds it: the claim is then refused (not
@@ -186,9 +220,8 @@ class DeploymentServer:
             self.log(f"[fedmeta] node {node} claims partition {pid}, which node {holder} holds: refused")
             return
         self.waiting.pop(node, None)
-        self.partitions, self.description = int(data["num-partitions"]), data.pop("description")
         self.node_of[pid] = node
-        self.info[pid] = data
+        self.info[pid] = {k: v for k, v in data.items() if k != "description"}
         if holder is not None and holder != node:
             self.log(f"[fedmeta] partition {pid} is now on node {node} (was {holder}: restarted)")
 
@@ -216,9 +249,12 @@ class DeploymentServer:
         deadline = time.monotonic() + self.node_timeout
         while self.partitions is None or len(self.info) < self.partitions:
             if time.monotonic() >= deadline:
+                undecided = "" if self.description is not None else (
+                    f"; no num-partitions and data description is claimed yet by a majority of the {len(self.claims)} "
+                    "nodes that answered and of the partitions it names")
                 raise TimeoutError(
                     f"only partitions {sorted(self.info)} of {self.partitions or '?'} connected within "
-                    f"{self.node_timeout:.0f} s (start a SuperNode for each partition-id)"
+                    f"{self.node_timeout:.0f} s (start a SuperNode for each partition-id){undecided}"
                 )
             self.refresh_nodes(range(self.partitions or 1), timeout=min(5.0, self.node_timeout))
         self.num_clients = self.partitions
