@@ -231,7 +231,7 @@ def test_sparse_uploads_with_repeated_or_negative_indices_are_refused(fraction: 
     _check(compression, arrays)
     if "indices" not in arrays:  # the bitmap form: one bit per coordinate, so no repeat is possible
         bitmap = arrays["bitmap"].clone()
-        bitmap[3] = 0xFF  # more kept coordinates than values
+        bitmap[25] = 0xFF  # more kept coordinates than values (d/2: the smallest, not kept)
         with pytest.raises(RejectedReply):
             _check(compression, {**arrays, "bitmap": bitmap})
         return
