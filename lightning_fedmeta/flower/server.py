@@ -192,8 +192,6 @@ class DeploymentServer:
                 self.claims[node] = data
             else:
                 self._register(node, data, live)
-        if self.description is None:
-            self._decide(live)
 
     def _decide(self, live: set[int]) -> None:
         """Fix ``num-partitions`` and the data description once one claim of them holds a strict majority of the
@@ -250,6 +248,8 @@ class DeploymentServer:
             self.waiting = {n: p for n, p in self.waiting.items() if n in live}
             self.known_nodes -= {n for n, p in self.waiting.items() if p not in self.node_of}  # ask again
             self._query(sorted(live - self.known_nodes), live)
+            if self.description is None:  # the claims so far (of the nodes still live) may now agree
+                self._decide(live)
             missing = wanted - set(self.node_of)
             if not missing or time.monotonic() >= deadline:
                 return missing
