@@ -207,11 +207,16 @@ def test_qsgd_codes_above_the_top_level_are_refused(bits: int) -> None:
 
 @pytest.mark.parametrize("norm", [-1.0, 3e38])
 def test_qsgd_norms_no_honest_node_sends_are_refused(norm: float) -> None:
+    """A negative norm; a norm of 3e38 whose bucket has levels 0 and one 1 (each value 3e38/127 is finite, the
+    old check passed it; an honest bucket of norm > 0 has levels of norm at least s − √b)."""
     arrays = _honest(QSGD[8])
     norms = arrays["norms"].clone()
     norms[0] = norm
+    codes = arrays["codes"].clone()
+    codes[:16] = 127  # level 0 (codes are level + s)
+    codes[0] = 128
     with pytest.raises(RejectedReply):
-        _check(QSGD[8], {**arrays, "norms": norms})
+        _check(QSGD[8], {**arrays, "norms": norms, "codes": codes})
 
 
 def test_qsgd_levels_whose_total_exceeds_the_norm_are_refused() -> None:
