@@ -255,8 +255,8 @@ class PlotCallback(Callback):
         self.history = [h for h in self.history if not (h["round"] == r and h["stage"] == stage)]
         entry: dict[str, Any] = {"round": r, "stage": stage, "metrics": metrics}
         traffic = getattr(getattr(pl_module, "engine", None), "traffic", None)
-        if traffic is not None:  # the run's bytes up to this evaluation (docs/communication.md)
-            entry["comm"] = traffic.cumulative()
+        if traffic is not None and traffic.cumulative():  # the run's bytes up to this evaluation
+            entry["comm"] = traffic.cumulative()  # (docs/communication.md; none under TrafficCounter.hidden)
         self.history.append(entry)
         primary, directions = module_metrics(pl_module)
         self.primary_metric, self.metric_directions = primary, directions

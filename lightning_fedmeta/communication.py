@@ -160,19 +160,26 @@ class TrafficCounter:
         self.up = 0
         self.down = 0
         self.last: RoundTraffic | None = None
+        #: nothing is counted, logged or checkpointed: the round's bytes would reveal a cohort size that
+        #: ``model.dp`` hides (:func:`~lightning_fedmeta.privacy.hides_cohort_size`)
+        self.hidden = False
 
     def add(self, traffic: RoundTraffic) -> None:
+        if self.hidden:
+            return
         totals = traffic.totals()
         self.up += totals[UP]
         self.down += totals[DOWN]
         self.last = traffic
 
     def logged(self, traffic: RoundTraffic) -> dict[str, int]:
-        """The round's sums and the cumulative sums after it, by logged name."""
+        """The round's sums and the cumulative sums after it, by logged name (none when :attr:`hidden`)."""
+        if self.hidden:
+            return {}
         return {**traffic.totals(), f"{UP}_cumulative": self.up, f"{DOWN}_cumulative": self.down}
 
     def cumulative(self) -> dict[str, int]:
-        return {f"{UP}_cumulative": self.up, f"{DOWN}_cumulative": self.down}
+        return {} if self.hidden else {f"{UP}_cumulative": self.up, f"{DOWN}_cumulative": self.down}
 
     def state_dict(self) -> dict[str, int]:
         return {"up_bytes": self.up, "down_bytes": self.down}

@@ -142,6 +142,13 @@ class DPSpec:
         _check_dp(self, "dp")
 
 
+def hides_cohort_size(spec: DPSpec | None) -> bool:
+    """Whether a round's cohort size is part of what ``spec`` hides: Poisson sampling (its size is random) from a
+    secret (``secure_mode``). The byte counts of a round (``comm/*``: its cohort's size times one client's bytes)
+    are then neither logged nor summed, in simulation and on Flower."""
+    return spec is not None and bool(spec.secure_mode) and spec.sampling == "poisson"
+
+
 # ----------------------------------------------------------------------------------------------
 # parsing and validation
 # ----------------------------------------------------------------------------------------------

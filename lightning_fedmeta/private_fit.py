@@ -23,9 +23,14 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_fedmeta.dp_draws import KEY_BYTES
+from lightning_fedmeta.privacy import hides_cohort_size
 from lightning_fedmeta.privacy_budget import SEEDED_NOISE_NOTE, History, PrivacyBudget, without_last_rounds
 
-__all__ = ["parse_privacy_record", "start_private_fit"]
+__all__ = ["continue_privacy_record", "parse_privacy_record", "start_private_fit"]
+
+#: what is said when a model whose earlier rounds have no privacy record starts a DP fit
+NO_RECORD_NOTE = ("its {rounds} rounds were trained without model.dp or by an older release, and ε counts only the "
+                  "rounds from now on")
 
 
 def parse_privacy_record(record: Any) -> tuple[History, int]:
@@ -53,9 +58,8 @@ def _record(module: Any, step: int) -> tuple[History, int]:
         return parse_privacy_record(saved)
     loaded = int(getattr(module, "_loaded_round", 0))
     if loaded > step:  # a warm start from a checkpoint without a record (no DP, or an older release)
-        rank_zero_warn(f"[lightning_fedmeta] the loaded checkpoint has no privacy record: its {loaded} rounds were "
-                       "trained without model.dp or by an older release, and ε counts only this fit's rounds",
-                       category=UserWarning)
+        rank_zero_warn(f"[lightning_fedmeta] the loaded checkpoint has no privacy record: "
+                       f"{NO_RECORD_NOTE.format(rounds=loaded)}", category=UserWarning)
         return [], loaded
     return [], step
 
@@ -80,4 +84,25 @@ def start_private_fit(module: Any) -> PrivacyBudget:
         rank_zero_warn(f"[lightning_fedmeta] {SEEDED_NOISE_NOTE}; set model.dp.secure_mode: true for a guarantee "
                        "against them", category=UserWarning)
     module.engine.use_secret(key)
+    module.engine.traffic.hidden = hides_cohort_size(dp)  # a Poisson cohort's size: no byte counts
     return PrivacyBudget(dp, module.num_sampled / int(module.eligible.numel()), prior, offset)
+
+
+def continue_privacy_record(dp: Any, sample_rate: float, record: Any, rounds_done: int,
+                            warn: Any) -> PrivacyBudget:
+    """The budget of a run that resumes after ``rounds_done`` rounds with the checkpoint's privacy ``record``
+    (``None``: none), as a warm start continues one: the recorded phases are kept with the ``(z, q)`` that released
+    them, and the run's own rounds are counted from ``rounds_done`` on (``budget.epsilon(r + 1 − rounds_done)``
+    after round ``r``), so a restart with another noise multiplier never lowers ε. Without a record after
+    ``rounds_done > 0`` rounds, ``warn`` says that ε counts only the new rounds (they ran without DP)."""
+    if record is None:
+        history: History = []
+        released = int(rounds_done)
+        if rounds_done > 0:
+            warn(f"the checkpoint has no privacy record: {NO_RECORD_NOTE.format(rounds=rounds_done)}")
+    else:
+        history, released = parse_privacy_record(record)
+    if released < rounds_done:
+        raise ValueError(f"the checkpoint's privacy record says {released} rounds were released, fewer than its "
+                         f"{rounds_done} rounds: the record is damaged or from another run")
+    return PrivacyBudget(dp, sample_rate, history, released)

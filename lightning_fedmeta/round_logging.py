@@ -5,7 +5,8 @@ clients' metrics, weighted by ``w_i``), ``clients``, ``round``, under DP ``dp/cl
 and every round ``privacy/epsilon`` with ``privacy/secure_mode`` (1: the noise was secret; 0: reproducible
 from ``model.seed``, so ε holds only against someone who does not know the seed), and the round's bytes
 ``comm/up_bytes``, ``comm/down_bytes`` with the run's totals ``comm/{up,down}_bytes_cumulative``
-(docs/communication.md; written to the loggers directly). Per evaluation:
+(docs/communication.md; written to the loggers directly). Under ``model.dp`` with ``secure_mode`` and
+``sampling: poisson`` the cohort's size is secret, so ``clients`` and ``comm/*`` are not logged. Per evaluation:
 ``<stage>/<metric>_{weighted,mean,worst10}`` for the training
 clients and ``<stage>/<group>/...`` for the held-out (``new``) and honest clients, and the spread of the per-client
 values, unweighted over clients, ``<stage>/[<group>/]<metric>_{std,q10,q25,q50,q75,q90}``
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from lightning_fedmeta.evaluation.fairness import flat_spread
 from lightning_fedmeta.loop.round import RoundReport
+from lightning_fedmeta.privacy import hides_cohort_size
 
 __all__ = ["log_round", "log_spread", "log_summary", "log_traffic", "logs_round", "spread_metrics"]
 
@@ -46,13 +48,15 @@ def log_round(module: Any, report: RoundReport) -> None:
     if logs_round(module._trainer, r):
         log_traffic(module, report)
     if report.skipped is not None:
-        module.log("clients", 0.0, prog_bar=True, **_STEP)
+        if not hides_cohort_size(module.reliability.dp):
+            module.log("clients", 0.0, prog_bar=True, **_STEP)
         module.log("round", float(r + 1), **_STEP)
         return
     if logs_round(module._trainer, r):
         for k, v in report.metrics.items():
             module.log(f"train/{k}", v, prog_bar=(k == "loss"), **_STEP)
-        module.log("clients", float(report.clients.numel()), prog_bar=True, **_STEP)
+        if not hides_cohort_size(module.reliability.dp):  # a Poisson cohort's size under secure_mode is secret
+            module.log("clients", float(report.clients.numel()), prog_bar=True, **_STEP)
         module.log("round", float(r + 1), **_STEP)
         for k, value in (report.privacy.logged() if report.privacy is not None else {}).items():
             module.log(k, float(value), **_STEP)
@@ -70,6 +74,8 @@ def log_traffic(module: Any, report: RoundReport) -> None:
     if report.traffic is None or trainer is None:
         return
     values = {k: float(v) for k, v in module.engine.traffic.logged(report.traffic).items()}
+    if not values:  # a Poisson cohort's size under secure_mode (TrafficCounter.hidden)
+        return
     for logger in trainer.loggers:
         logger.log_metrics(values, step=report.round_idx)
 

@@ -76,19 +76,57 @@ def decode_upload(compressor: Compressor, record: ArrayRecord | dict[str, Tensor
         half = arrays["half"]
         return (half.view(torch.bfloat16) if compressor.dtype == torch.bfloat16 else half).to(torch.float32)
     if isinstance(compressor, QSGD):
-        signed = _unpack(arrays["codes"], compressor.bits, numel) - compressor.levels
+        signed = _qsgd_levels(compressor, arrays["codes"], arrays["norms"], numel)
         return compressor.decode(signed.to(torch.int8), arrays["norms"])
     if not isinstance(compressor, TopK | RandomK):
         raise ValueError(f"no wire format for {type(compressor).__name__}")
     values = arrays["values"]
     if "bitmap" in arrays:
-        bits = np.unpackbits(arrays["bitmap"].numpy())[:numel].astype(bool)
-        index = torch.from_numpy(np.flatnonzero(bits))
+        bits = np.unpackbits(arrays["bitmap"].numpy()).astype(bool)
+        if bits[numel:].any():
+            raise ValueError(f"the bitmap marks coordinates past d = {numel}")
+        index = torch.from_numpy(np.flatnonzero(bits[:numel]))
     else:
         index = arrays["indices"].to(torch.int64)
+        if index.numel() and (int(index.min()) < 0 or not bool((index[1:] > index[:-1]).all())):
+            raise ValueError("the indices of a sparse upload must be distinct, increasing and >= 0 (as an honest "
+                             "node sends them)")
     if index.numel() != values.numel() or (index.numel() and int(index.max()) >= numel):
         raise ValueError(f"a sparse upload of {values.numel()} values has {index.numel()} indices for d = {numel}")
     return torch.zeros(numel, dtype=torch.float32).scatter(0, index, values)
+
+
+def _qsgd_levels(compressor: QSGD, packed: Tensor, norms: Tensor, numel: int) -> Tensor:
+    """The signed levels of packed QSGD ``codes``, checked against what :meth:`QSGD.encode` can produce
+    (``ValueError`` otherwise): codes in ``[0, 2s]`` (``s`` levels per sign; a higher code would decode past the
+    bucket norm, or wrap in 8 bits), zero padding, bucket norms ``>= 0``, no level in a bucket of norm 0, and in a
+    bucket of norm >= 1e-15·√b levels of norm at least ``s − √b`` (``ξ_i > s|v_i|/‖v‖ − 1``, and the
+    ``s|v_i|/‖v‖`` have norm ``s``; for smaller norms float32 squares underflow and ``‖v‖`` is inexact either way,
+    which is also why no upper bound of that kind is checked, beyond ``|ξ_i| <= s``)."""
+    s, bits = compressor.levels, compressor.bits
+    codes = _unpack(packed, bits, packed.numel() * (8 // bits))
+    if bool(codes[numel:].any()):
+        raise ValueError("the QSGD codes' padding is not zero")
+    top = int(codes[:numel].max()) if numel else 0
+    if top > 2 * s:
+        raise ValueError(f"a QSGD code is {top}, above the top level {2 * s} of {bits}-bit codes")
+    if bool((norms < 0).any()):
+        raise ValueError("a QSGD bucket norm is negative")
+    signed = codes[:numel] - s
+    b = numel if compressor.bucket_size is None else min(compressor.bucket_size, numel)
+    rows = torch.nn.functional.pad(signed, (0, (-numel) % b)).reshape(-1, b).to(torch.float64)
+    size = torch.linalg.vector_norm(rows, dim=1)
+    if size.numel() != norms.numel():
+        raise ValueError(f"{norms.numel()} QSGD bucket norms for {size.numel()} buckets")
+    if bool(((norms == 0) & (size > 0)).any()):
+        raise ValueError("a QSGD bucket of norm 0 has levels other than 0 (an honest bucket of norm 0 is all 0)")
+    low = (s - math.sqrt(b)) * (1 - 1e-6)
+    # below 1e-15·√b float32 squares underflow and ‖v‖ is inexact; an infinite norm is refused as not finite
+    exact = (norms.to(torch.float64) >= 1e-15 * math.sqrt(b)) & torch.isfinite(norms)
+    if bool((exact & (size < low)).any()):  # e.g. a norm of 3e38 with levels of 0 and 1
+        raise ValueError(f"a QSGD bucket of norm > 0 has levels of norm {float(size[norms > 0].min()):.4g}, less "
+                         f"than an honest encoding gives (at least s − √b = {s - math.sqrt(b):.4g})")
+    return signed
 
 
 def payload_bytes_of(record: ArrayRecord) -> int:

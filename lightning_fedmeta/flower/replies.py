@@ -8,9 +8,12 @@ A node is not trusted: whoever runs it controls every byte of its replies. A rep
     train     delta / state / extras have exactly the keys, shapes and dtypes an honest client's output has
               (:func:`honest_output`: the algorithm's client_update run once by the server) and finite values;
               under model.compression the delta record holds the compressed arrays an honest node sends
-              (:func:`~lightning_fedmeta.flower.compressed.upload_layout`), decoded to a finite delta;
-              its metrics are exactly the algorithm's, finite, and num-examples is the partition's known size
-    evaluate  total is the partition's test size, every sum is finite and within what the metric allows
+              (:func:`~lightning_fedmeta.flower.compressed.upload_layout`) with values an honest encoding gives
+              (QSGD codes within the levels, norms >= 0, sparse indices distinct), decoded to a finite delta;
+              the delta's norm fits in float32; its metrics are exactly the algorithm's, finite and within
+              float32, and num-examples is the partition's known size
+    evaluate  total is the partition's test size, every sum is finite and within what the metric allows (at
+              most num-test float32 values: a federation's sum stays finite)
 
 Anything else raises :class:`RejectedReply`: that client fails the round (logged, counted), never the run.
 """
@@ -35,6 +38,9 @@ __all__ = ["RejectedReply", "ReplySpec", "check_eval_reply", "check_query_reply"
 
 #: a flattened tree's keys with their shapes and dtypes
 TreeSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+#: the largest float32 number: what an honest node's values, norms and per-sample sums are made of
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 #: the data description every partition must share (keys of a query reply's "data" record)
 DESCRIPTION = ("task", "num-classes", "input-shape", "target-shape")
@@ -108,6 +114,7 @@ def _compressed_delta(content: RecordDict, spec: TreeSpec, compressor: Compresso
         raise RejectedReply(f"delta is not a {compressor.describe()} upload of {numel} values ({exc})") from exc
     if not bool(torch.isfinite(row).all()):
         raise RejectedReply(f"delta ({compressor.describe()}) decodes to non-finite values")
+    _check_norm(row)
     flat, start = {}, 0
     for key, (shape, dtype) in spec.items():
         size = math.prod(shape)
@@ -116,15 +123,31 @@ def _compressed_delta(content: RecordDict, spec: TreeSpec, compressor: Compresso
     return unflatten_state(flat)
 
 
+def _check_norm(row: Tensor) -> None:
+    """An honest delta is a float32 update whose L2 norm is a float32 number: a delta of finite coordinates whose
+    norm is not (e.g. values of 3e38) would overflow the round's sum."""
+    norm = float(torch.linalg.vector_norm(row.detach().to(torch.float64)))
+    if not norm <= FLOAT32_MAX:
+        raise RejectedReply(f"delta has norm {norm:.4g}, beyond float32 (no honest update)")
+
+
 def check_train_reply(content: RecordDict, spec: ReplySpec, num_samples: int,
                       compressor: Compressor | None = None) -> ClientOutput:
     """The reply's :class:`ClientOutput`, or :class:`RejectedReply` (see the module docstring); with
     ``compressor`` (``model.compression.upload``) the delta is decoded from its compressed record."""
-    delta = _tree(content, "delta", spec.delta) if compressor is None else \
-        _compressed_delta(content, spec.delta, compressor)
+    if compressor is None:
+        delta = _tree(content, "delta", spec.delta)
+        flat = [v.reshape(-1) for v in flatten_state(delta).values() if v.is_floating_point()]
+        if flat:
+            _check_norm(torch.cat([v.to(torch.float64) for v in flat]))
+    else:
+        delta = _compressed_delta(content, spec.delta, compressor)
     state = _tree(content, "state", spec.state)
     extras = _tree(content, "extras", spec.extras)
     metrics = _numbers(content, set(spec.metrics) | {"num-examples"})
+    for key, value in metrics.items():
+        if abs(value) > FLOAT32_MAX:
+            raise RejectedReply(f"metric {key} = {value:g} does not fit in float32 (no honest client's metric)")
     if metrics["num-examples"] != num_samples:
         raise RejectedReply(f"it claims num-examples = {metrics['num-examples']:g}; this partition has "
                             f"{num_samples} training samples")
@@ -139,8 +162,11 @@ def check_eval_reply(content: RecordDict, metric_names: Mapping[str, str], num_t
     sums = _numbers(content, {"total", "loss_sum", "num-examples"} | {f"{k}_sum" for k in metric_names})
     if sums["total"] != num_test or sums["num-examples"] != num_test:
         raise RejectedReply(f"it claims total = {sums['total']:g} test samples; this partition has {num_test}")
+    most = num_test * FLOAT32_MAX  # a sum of num_test float32 values: so the federation's sums stay finite
+    if not abs(sums["loss_sum"]) <= most:
+        raise RejectedReply(f"loss_sum = {sums['loss_sum']:g} is more than {num_test} float32 losses can add up to")
     for key, builtin in metric_names.items():
-        value, high = sums[f"{key}_sum"], (num_test if builtin == "accuracy" else math.inf)
+        value, high = sums[f"{key}_sum"], (num_test if builtin == "accuracy" else most)
         if not 0 <= value <= high:
             raise RejectedReply(f"{key}_sum = {value:g} is outside [0, {high:g}] for {num_test} samples")
     return sums

@@ -36,6 +36,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.atomic_io import atomic_write
 from lightning_fedmeta.communication import TrafficCounter, payload_bytes, sent_model, upload_bytes
 from lightning_fedmeta.compression import check_composition
 from lightning_fedmeta.dp_draws import SecretDraws
@@ -57,7 +58,9 @@ from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, noise_only_uploads
 from lightning_fedmeta.loop.stages import ServerContext, Uploads
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
+from lightning_fedmeta.privacy import hides_cohort_size
 from lightning_fedmeta.privacy_budget import PrivacyBudget
+from lightning_fedmeta.private_fit import continue_privacy_record
 from lightning_fedmeta.reliability import Reliability, uploads_delta
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
@@ -65,6 +68,9 @@ __all__ = ["DeploymentServer", "GridLike", "NODE_UNAVAILABLE", "RETRYABLE"]
 
 #: Flower's error code of a reply the SuperLink writes when the destination node stopped sending heartbeats
 NODE_UNAVAILABLE = 5
+#: the keys of a round's log entry that name or count its cohort (kept out of what is published under secure_mode)
+COHORT_KEYS = ("sampled", "answered", "rejected_replies")
+
 #: error codes after which a message is sent again (to the partition's node, possibly a new one): the message or
 #: its reply was lost (3, 4), the node went away (5), the ClientApp process died with its node (8). A ClientApp
 #: that raised (2) is not retried: the client fails the round.
@@ -103,7 +109,8 @@ class DeploymentServer:
         log: where progress lines go.
         partition_sizes: every partition's number of training samples, when the operator knows them (run config
             ``partition-sizes``): a node claiming another size is refused. ``None``: each partition's first answer
-            fixes its size (and the first accepted answer fixes ``num-partitions``).
+            fixes its size. ``num-partitions`` (unless pinned) and the data description are what a majority of
+            the nodes claim (:meth:`_decide`), never the first answer alone.
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class DeploymentServer:
         self.sizes = None if partition_sizes is None else [int(n) for n in partition_sizes]
         self.partitions: int | None = None if self.sizes is None else len(self.sizes)  # K, once known
         self.description: dict[str, Any] | None = None  # the data description every partition shares
+        self.claims: dict[int, dict[str, Any]] = {}  # node id -> its query reply, while the federation is undecided
         self.waiting: dict[int, int] = {}  # node id -> the partition it claimed while another live node held it
         self.reply_spec: ReplySpec | None = None
         self.history: list[dict[str, Any]] = []
@@ -152,6 +160,12 @@ class DeploymentServer:
         self.compression = cfg.compression()  # model.compression: the nodes compress, the server decodes
         self.traffic = TrafficCounter()  # the counted bytes, cumulative (docs/communication.md, "On Flower")
         self.wire = {"up": 0, "down": 0}  # the round's serialised train messages and replies
+        #: under model.dp.secure_mode the cohorts are secret: no file or log line the server publishes names them
+        self.secret_cohorts = False
+        self.budget: PrivacyBudget | None = None  # ε of this run, continuing the checkpoint's privacy record
+        self.start_round = 0  # the round this ServerApp started (or resumed) at
+        self.saved_privacy: dict[str, Any] | None = None  # a resumed checkpoint's privacy record
+        self.stopped: str | None = None  # why the run stopped before its last round (model.dp.target_epsilon)
 
     # ------------------------------------------------------------------------------------------
     # nodes
@@ -174,7 +188,37 @@ class DeploymentServer:
             except RejectedReply as exc:
                 self.log(f"[fedmeta] node {node} refused: {exc}")
                 continue
-            self._register(node, data, live)
+            if self.description is None:  # the federation is not decided yet: one claim among the others
+                self.claims[node] = data
+            else:
+                self._register(node, data, live)
+
+    def _decide(self, live: set[int]) -> None:
+        """Fix ``num-partitions`` and the data description once one claim of them holds a strict majority of the
+        partitions it names (distinct partition ids) and of the live nodes that answered; then register the
+        nodes that agree and refuse, each by itself, those that do not. No answer decides by being first, and a
+        claimed ``num-partitions`` is never allocated: a decided one is below twice the number of nodes."""
+        self.claims = {n: d for n, d in self.claims.items() if n in live}
+        groups: dict[str, list[int]] = {}
+        for node, data in sorted(self.claims.items()):
+            key = json.dumps([int(data["num-partitions"]), data["description"]], sort_keys=True, default=str)
+            groups.setdefault(key, []).append(node)
+        for nodes in groups.values():
+            first = self.claims[nodes[0]]
+            covered = {int(self.claims[n]["partition-id"]) for n in nodes}
+            if 2 * len(covered) > int(first["num-partitions"]) and 2 * len(nodes) > len(self.claims):
+                self.partitions, self.description = int(first["num-partitions"]), first["description"]
+                break
+        else:
+            return
+        claims, self.claims = self.claims, {}
+        for node, data in sorted(claims.items()):
+            if int(data["num-partitions"]) == self.partitions and data["description"] == self.description:
+                self._register(node, data, live)
+            else:
+                self.log(f"[fedmeta] node {node} refused: it claims num-partitions {data['num-partitions']} and data "
+                         f"{data['description']}; the majority of the nodes claim {self.partitions} and "
+                         f"{self.description}")
 
     def _register(self, node: int, data: dict[str, Any], live: set[int]) -> None:
         """Give ``node`` its claimed partition, unless another live node holds it: the claim is then refused (not
@@ -186,9 +230,8 @@ class DeploymentServer:
             self.log(f"[fedmeta] node {node} claims partition {pid}, which node {holder} holds: refused")
             return
         self.waiting.pop(node, None)
-        self.partitions, self.description = int(data["num-partitions"]), data.pop("description")
         self.node_of[pid] = node
-        self.info[pid] = data
+        self.info[pid] = {k: v for k, v in data.items() if k != "description"}
         if holder is not None and holder != node:
             self.log(f"[fedmeta] partition {pid} is now on node {node} (was {holder}: restarted)")
 
@@ -205,6 +248,8 @@ class DeploymentServer:
             self.waiting = {n: p for n, p in self.waiting.items() if n in live}
             self.known_nodes -= {n for n, p in self.waiting.items() if p not in self.node_of}  # ask again
             self._query(sorted(live - self.known_nodes), live)
+            if self.description is None:  # the claims so far (of the nodes still live) may now agree
+                self._decide(live)
             missing = wanted - set(self.node_of)
             if not missing or time.monotonic() >= deadline:
                 return missing
@@ -216,9 +261,12 @@ class DeploymentServer:
         deadline = time.monotonic() + self.node_timeout
         while self.partitions is None or len(self.info) < self.partitions:
             if time.monotonic() >= deadline:
+                undecided = "" if self.description is not None else (
+                    f"; no num-partitions and data description is claimed yet by a majority of the {len(self.claims)} "
+                    "nodes that answered and of the partitions it names")
                 raise TimeoutError(
                     f"only partitions {sorted(self.info)} of {self.partitions or '?'} connected within "
-                    f"{self.node_timeout:.0f} s (start a SuperNode for each partition-id)"
+                    f"{self.node_timeout:.0f} s (start a SuperNode for each partition-id){undecided}"
                 )
             self.refresh_nodes(range(self.partitions or 1), timeout=min(5.0, self.node_timeout))
         self.num_clients = self.partitions
@@ -262,6 +310,8 @@ class DeploymentServer:
         # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds
         self.draws = SecretDraws() if reliability.dp is not None and reliability.dp.secure_mode else None
         self.federation.cohort_draws = self.draws
+        self.secret_cohorts = self.draws is not None
+        self.traffic.hidden = hides_cohort_size(reliability.dp)  # Poisson cohort sizes: no byte counts published
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
         self.algorithm.bind_clients(self.records(torch.arange(k)), self.label_counts)
         self.server_state = self.algorithm.init_server_state(self.params())
@@ -270,6 +320,16 @@ class DeploymentServer:
         self.round = 0
         if self.checkpoint and os.path.isfile(self.checkpoint):
             self.load(self.checkpoint)
+        self.start_round = self.round
+        if reliability.dp is not None:  # ε continues the checkpoint's record (privacy_budget.py, as a warm start)
+            self.budget = continue_privacy_record(
+                reliability.dp, self.num_sampled / int(self.eligible.numel()), self.saved_privacy, self.round,
+                lambda text: self.log(f"[fedmeta] {text}"))
+        if self.secret_cohorts:
+            self.log("[fedmeta] model.dp.secure_mode: the cohorts are secret, so history.json, the checkpoint and "
+                     "this log name no round's cohort (its clients, nor which of them replied or failed)"
+                     + (f" (a resume needs {self._private_path()}, which holds them: never publish it)"
+                        if self.checkpoint else ""))
 
     @property
     def num_sampled(self) -> int:
@@ -291,18 +351,55 @@ class DeploymentServer:
         """The stacked records of the given clients (the simulator's :class:`Federation` records)."""
         return self.federation.records(clients)
 
+    def published_history(self) -> list[dict[str, Any]]:
+        """The round entries as they are written (history.json, the checkpoint): under secure_mode without the
+        keys that name or count a cohort (:data:`COHORT_KEYS`)."""
+        if not self.secret_cohorts:
+            return self.history
+        return [{k: v for k, v in e.items() if k not in COHORT_KEYS} for e in self.history]
+
+    def published_failures(self) -> list[dict[str, Any]]:
+        """The failures as they are written: under secure_mode without the train failures (sampled clients)."""
+        return [f for f in self.failures if not (self.secret_cohorts and f["kind"] == "train")]
+
+    def cohort_state(self) -> dict[str, Any]:
+        """What names the cohorts: which clients were ever aggregated, each one's last round, the full history and
+        failures (under secure_mode only in the private resume file, :meth:`save`)."""
+        return {"round": self.round, "seen": self.federation.seen.clone(), "state_round": self.state_round.clone(),
+                "history": self.history, "failures": self.failures}
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "round": self.round, "run_key": self.run_key, "run_token": self.run_token,
             "params": {k: v.clone() for k, v in self.params().items()},
             "init_params": self.init_params, "optimizer": self.optimizer.state_dict(),
-            "server_state": flatten_state(self.server_state), "seen": self.federation.seen.clone(),
-            "dp_clip": self.dp_clip,
-            "state_round": self.state_round.clone(), "history": self.history, "failures": self.failures,
-            "num_clients": self.num_clients, "counts": self.counts.clone(), "traffic": self.traffic.state_dict(),
+            "server_state": flatten_state(self.server_state), "dp_clip": self.dp_clip,
+            "history": self.published_history(), "failures": self.published_failures(),
+            "num_clients": self.num_clients, "counts": self.counts.clone(),
         }
+        if not self.traffic.hidden:
+            state["traffic"] = self.traffic.state_dict()
+        privacy = self.saved_privacy if self.budget is None else self.budget.record(self.round - self.start_round)
+        if privacy is not None:
+            state["privacy"] = privacy
+        if not self.secret_cohorts:
+            state.update(seen=self.federation.seen.clone(), state_round=self.state_round.clone())
+        return state
+
+    def _private_path(self, path: str | None = None) -> str:
+        return f"{path or self.checkpoint}.private"
 
     def save(self, path: str) -> None:
+        """The checkpoint; under secure_mode the cohorts go to ``<path>.private`` instead (owner-only, written
+        first), the one file that names them, which a resume needs and which must never be published."""
+        if self.secret_cohorts:
+            private = self.cohort_state()
+
+            def write(fh: Any) -> None:
+                os.fchmod(fh.fileno(), 0o600)
+                torch.save(private, fh)
+
+            atomic_write(self._private_path(path), write)
         atomic_save(self.state_dict(), path)
 
     def load(self, path: str) -> None:
@@ -322,16 +419,40 @@ class DeploymentServer:
         self.init_params = saved["init_params"]
         self.optimizer.load_state_dict(saved["optimizer"])
         self.server_state = unflatten_state(saved["server_state"])
-        self.federation.seen = saved["seen"].clone()
-        self.dp_clip = float(saved.get("dp_clip", self.dp_clip))
-        self.state_round = saved["state_round"].clone()
-        self.history = list(saved["history"])
-        self.failures = list(saved["failures"])
+        cohorts = saved if "seen" in saved else self._load_private(path, int(saved["round"]))
+        self.federation.seen = cohorts["seen"].clone()
+        clip = float(saved.get("dp_clip", math.inf))
+        if self.federation.reliability.dp is not None and math.isfinite(clip):  # inf: the rounds ran without DP
+            self.dp_clip = clip
+        self.state_round = cohorts["state_round"].clone()
+        self.history = list(cohorts["history"])
+        self.failures = list(cohorts["failures"])
         self.round = int(saved["round"])
-        self.traffic.load_state_dict(saved.get("traffic"))
+        self.traffic.load_state_dict(None if self.traffic.hidden else saved.get("traffic"))
+        self.saved_privacy = saved.get("privacy")
         self.run_key = str(saved["run_key"])
         self.run_token = str(saved.get("run_token") or self.run_token)
         self.log(f"[fedmeta] resumed from {path} at round {self.round} (state key {self.run_key})")
+
+    def _load_private(self, path: str, round_idx: int) -> dict[str, Any]:
+        """The cohorts of a checkpoint written under secure_mode, from its private resume file."""
+        private = self._private_path(path)
+        try:
+            cohorts = torch.load(private, map_location="cpu", weights_only=True)
+        except (OSError, pickle.UnpicklingError) as exc:
+            raise ValueError(f"checkpoint {path} was written under model.dp.secure_mode, so its cohorts are in "
+                             f"{private}, which cannot be read ({type(exc).__name__}: {exc}); restore it, or delete "
+                             "the checkpoint to start the run afresh") from exc
+        if int(cohorts.get("round", -1)) != round_idx:
+            raise ValueError(f"{private} is of round {cohorts.get('round')}, checkpoint {path} of round {round_idx}: "
+                             "they were not written together; delete both to start the run afresh")
+        return cohorts
+
+    def _cohort_log(self, kind: str, text: str) -> None:
+        """A log line that names a client of a train exchange: not logged under secure_mode (the failure itself
+        is kept in the private resume file)."""
+        if not (self.secret_cohorts and kind == "train"):
+            self.log(text)
 
     # ------------------------------------------------------------------------------------------
     # messages
@@ -401,8 +522,8 @@ class DeploymentServer:
                     replies[pid] = reply
                     self.wire["up"] += wire_bytes(reply.content) if kind == "train" else 0
                 elif reply.error.code in RETRYABLE and not last:
-                    self.log(f"[fedmeta] round {round_idx}: node {targets[pid]} (partition {pid}) is unavailable "
-                             f"(error {reply.error.code}); sending again to its partition's node")
+                    self._cohort_log(kind, f"[fedmeta] round {round_idx}: node {targets[pid]} (partition {pid}) is "
+                                     f"unavailable (error {reply.error.code}); sending again to its partition's node")
                     self.known_nodes.discard(targets[pid])
                     self.node_of.pop(pid, None)
                     retry.add(pid)
@@ -419,8 +540,9 @@ class DeploymentServer:
                 self.refresh_nodes(timeout=0.0)
                 for mid, pid in list(outstanding.items()):
                     if self.node_of.get(pid) not in (None, targets[pid]):
-                        self.log(f"[fedmeta] round {round_idx}: partition {pid} moved from node {targets[pid]} to "
-                                 f"node {self.node_of[pid]} while its reply was awaited; sending again")
+                        self._cohort_log(kind, f"[fedmeta] round {round_idx}: partition {pid} moved from node "
+                                         f"{targets[pid]} to node {self.node_of[pid]} while its reply was awaited; "
+                                         "sending again")
                         del outstanding[mid]
                         retry.add(pid)
                 next_check = now + self.poll_interval
@@ -430,8 +552,8 @@ class DeploymentServer:
     def _failed(self, kind: str, round_idx: int, pid: int, reason: str, node: int | None = None) -> None:
         node = self.node_of.get(pid) if node is None else int(node)
         self.failures.append({"round": round_idx, "partition": pid, "node": node, "kind": kind, "reason": reason})
-        self.log(f"[fedmeta] round {round_idx}: {kind} of partition {pid} (node {node}) failed ({reason}); "
-                 "aggregating over the clients that answered")
+        self._cohort_log(kind, f"[fedmeta] round {round_idx}: {kind} of partition {pid} (node {node}) failed "
+                               f"({reason}); aggregating over the clients that answered")
 
     # ------------------------------------------------------------------------------------------
     # rounds
@@ -450,12 +572,14 @@ class DeploymentServer:
         answered = torch.tensor(sorted(outputs), dtype=torch.long)
         entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist(),
                                  "rejected_replies": len(self.exchanged) - len(outputs)}
-        entry["comm"] = self.count_traffic(sampled, down_one, [outputs[int(p)] for p in answered])
+        comm = self.count_traffic(sampled, down_one, [outputs[int(p)] for p in answered])
+        if comm:
+            entry["comm"] = comm
         if answered.numel() == 0 and self.federation.reliability.dp is not None:
             noise = noise_only_uploads(self.pipeline, self._server_context(round_idx, answered))
             self._commit(round_idx, answered, noise, entry)
-            self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the DP noise is released all the "
-                     "same")
+            self.log(f"[fedmeta] round {round_idx}: aggregated" if self.secret_cohorts else
+                     f"[fedmeta] round {round_idx}: no sampled client answered; the DP noise is released all the same")
             return entry
         if answered.numel() == 0:
             self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the model is unchanged")
@@ -466,8 +590,8 @@ class DeploymentServer:
         weights = self.federation.weights(answered)
         uploads = self.pipeline.run(Uploads(out, weights), self._server_context(round_idx, answered))
         if uploads is None or uploads.update is None:
-            self.log(f"[fedmeta] round {round_idx}: {answered.numel()} clients answered, too few for "
-                     f"model.aggregator; the model is unchanged")
+            self._cohort_log("train", f"[fedmeta] round {round_idx}: {answered.numel()} clients answered, too few "
+                             "for model.aggregator; the model is unchanged")
             return entry
         try:
             check_update_finite(round_idx, uploads.update.delta)
@@ -478,7 +602,8 @@ class DeploymentServer:
         self._commit(round_idx, answered, uploads, entry)
         metrics = {k: float(v) for k, v in weighted_mean_metrics(out.metrics, weights).items()}
         entry["train"] = metrics
-        self.log(f"[fedmeta] round {round_idx}: clients {answered.tolist()} of {sampled.tolist()} aggregated; "
+        cohort = "" if self.secret_cohorts else f" clients {answered.tolist()} of {sampled.tolist()}"
+        self.log(f"[fedmeta] round {round_idx}:{cohort} aggregated; "
                  + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
         return entry
 
@@ -495,6 +620,8 @@ class DeploymentServer:
         """The round's counted bytes as the simulation counts them (every sampled client downloads, every
         accepted reply uploads :func:`~lightning_fedmeta.communication.upload_bytes` of its output), the
         cumulative sums, and ``comm/wire_*``: the serialised train messages and replies actually exchanged."""
+        if self.traffic.hidden:  # |cohort| × one client's bytes would publish a Poisson cohort's size
+            return {}
         compressor = None if self.compression is None else self.compression.upload
         up = sum(upload_bytes(self.algorithm.upload(out), None, compressor) for out in outs)
         down = int(sampled.numel()) * down_one
@@ -515,14 +642,15 @@ class DeploymentServer:
                 self.dp_clip = uploads.privacy.next_clip
 
     def _privacy_spent(self, rounds: int) -> dict[str, Any]:
-        """``epsilon`` after ``rounds`` released rounds (the module's accountant, q = m / N) and ``secure_mode``
+        """``epsilon`` after ``rounds`` rounds (the module's accountant, q = m / N, continuing the checkpoint's
+        privacy record: rounds released before a restart keep their noise multiplier) and ``secure_mode``
         (whether ε holds against a reader of the seed); only ``secure_mode`` when Opacus is not installed."""
         dp = self.federation.reliability.dp
         assert dp is not None
         spent: dict[str, Any] = {"secure_mode": bool(dp.secure_mode)}
         try:
-            budget = PrivacyBudget(dp, self.num_sampled / int(self.eligible.numel()))
-            spent["epsilon"] = budget.epsilon(rounds)
+            assert self.budget is not None
+            spent["epsilon"] = self.budget.epsilon(rounds - self.start_round)
         except ImportError as exc:  # the privacy extra is not installed on the server
             if not getattr(self, "_warned_no_accountant", False):
                 self.log(f"[fedmeta] ε is not accounted: {exc}")
@@ -614,6 +742,11 @@ class DeploymentServer:
                  f"{int(self.eligible.numel())} training clients per round, state key {self.run_key}")
         while self.round < rounds:
             r = self.round
+            if self.budget is not None and self.budget.dp.target_epsilon is not None:
+                self.stopped = self.budget.refusal(r - self.start_round)
+                if self.stopped is not None:
+                    self.log(f"[fedmeta] round {r}: {self.stopped}")
+                    break
             started = time.monotonic()
             entry = self.train_round(r)
             self.round = r + 1
@@ -623,7 +756,10 @@ class DeploymentServer:
             self.history.append(entry)
             if self.checkpoint:
                 self.save(self.checkpoint)
-        result = {"round": self.round, "history": self.history, "failures": self.failures}
+        result: dict[str, Any] = {"round": self.round, "history": self.published_history(),
+                                  "failures": self.published_failures()}
+        if self.stopped is not None:
+            result["stopped"] = self.stopped
         if self.output_dir:
             out = Path(self.output_dir)
             out.mkdir(parents=True, exist_ok=True)
