@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 from benchmarks.harness import REPO, utc_now  # noqa: E402
 from benchmarks.pfllib_protocol import SPLITS, Settings, run_config  # noqa: E402
 from lightning_fedmeta.algorithms.base import BatchPlan  # noqa: E402
+from lightning_fedmeta.execution import AUTO_CHUNK  # noqa: E402
 from lightning_fedmeta.loop.schedule import (  # noqa: E402
     StepCost,
     StepSchedule,
@@ -44,7 +45,7 @@ PLAN = BatchPlan(steps=0, batch_size=10, epochs=1, drop_last=True)
 SCHEDULES = ("grouped", "lockstep", "compacted", "auto")
 
 
-def protocol_module(split: str, schedule: str = "auto", device: str = "cpu") -> Any:
+def protocol_module(split: str, schedule: str = "auto", device: str = "cpu", compile_clients: bool = False) -> Any:
     """FedAvg on the split's clients as the protocol runs it (FedAvgCNN, local rate 0.005, 1 epoch at batch 10)."""
     from lightning_fedmeta import FederatedModule
     from lightning_fedmeta.data import FederatedDataModule
@@ -58,7 +59,7 @@ def protocol_module(split: str, schedule: str = "auto", device: str = "cpu") -> 
         warnings.simplefilter("ignore")
         module = FederatedModule(model=FedAvgCNN(in_channels=1, num_classes=10, image_size=28),
                                  algorithm=config["model"]["algorithm"], clients_per_round=20,
-                                 compile_clients=False, step_schedule=schedule)
+                                 compile_clients=compile_clients, step_schedule=schedule)
     assert dm.federated_data is not None
     module.attach_data(dm.federated_data)
     module.engine.place(torch.device(device))
@@ -86,9 +87,10 @@ def schedule_rows(steps: torch.Tensor, chunk: int | None, costs: dict[str, StepC
     return rows
 
 
-def time_rounds(split: str, schedule: str, rounds: int, device: str) -> float:
-    """Mean wall seconds of FedAvg rounds 2..``rounds`` under ``schedule`` (round 1 carries one-time costs)."""
-    module = protocol_module(split, schedule, device)
+def time_rounds(split: str, schedule: str, rounds: int, device: str, compile_clients: bool = False) -> float:
+    """Mean wall seconds of FedAvg rounds 2..``rounds`` under ``schedule`` (round 1 carries one-time costs, and with
+    ``compile_clients`` the compilation of every program the rounds use: printed)."""
+    module = protocol_module(split, schedule, device, compile_clients)
     opt = torch.optim.SGD(module.model.parameters(), lr=1.0)
     seconds = []
     for r in range(rounds):
@@ -99,6 +101,10 @@ def time_rounds(split: str, schedule: str, rounds: int, device: str) -> float:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
+    if compile_clients:
+        stats = module.engine.compile.compiler.stats
+        print(f"{split} {schedule}: {stats.programs} programs compiled in {stats.compile_seconds:.0f} s; rounds "
+              f"{', '.join(f'{t:.1f}' for t in seconds)} s", flush=True)
     return statistics.mean(seconds[1:] if len(seconds) > 1 else seconds)
 
 
@@ -108,14 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--time", action="store_true", help="also time FedAvg rounds under each schedule")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="time with compile_clients=True")
+    parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS))
+    parser.add_argument("--timed", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES),
+                        help="the schedules --time runs (the others show a dash)")
     args = parser.parse_args(argv)
     lines = [
         "# Local-epoch schedules on PFLlib's Fashion-MNIST protocol (issue 38)", "",
-        f"Command: `python -m benchmarks.step_schedule{' --time' if args.time else ''} --device {args.device}` "
+        f"Command: `python -m benchmarks.step_schedule {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"({utc_now()}; torch {torch.__version__}, {torch.get_num_threads()} threads). See the module docstring.",
         "",
     ]
-    for split in SPLITS:
+    for split in args.splits:
         module = protocol_module(split, device=args.device)
         engine = module.engine
         counts = engine.data.train_counts.cpu()
@@ -127,22 +137,28 @@ def main(argv: list[str] | None = None) -> int:
             costs = {f"measured: a = {1e3 * measured.latency:.2f} ms, b = {1e3 * measured.per_client:.2f} ms":
                      measured, **costs}
         lines += [f"## {split}: {steps.numel()} clients, s_c from {int(steps.min())} to {int(steps.max())}, "
-                  f"{int(steps.sum())} real client-steps; clients per vmap call: {chunk}", ""]
-        header = "| schedule | groups | sequential steps | computed client-steps | padding |"
+                  f"{int(steps.sum())} real client-steps", ""]
+        header = "| schedule | clients per call | groups | sequential steps | computed client-steps | padding |"
         if args.time:
-            header += f" FedAvg round, {args.device} (s) |"
+            header += f" FedAvg round, {args.device}{', compiled' if args.compile else ''} (s) |"
         lines += [header, "|---" * (header.count("|") - 1) + "|"]
         timed: dict[str, float] = {}
-        for row in schedule_rows(steps, chunk, costs):
-            cells = [row["schedule"], str(row["groups"]), str(row["sequential"]), str(row["computed"]),
+        rows = [(chunk, row) for row in schedule_rows(steps, chunk, costs)]
+        if chunk != AUTO_CHUNK:  # a GPU's chunk (the CPU caps convolutions at 10 clients per call)
+            rows += [(AUTO_CHUNK, row) for row in schedule_rows(steps, AUTO_CHUNK, costs) if "measured" not in
+                     row["schedule"]]
+        for call, row in rows:
+            cells = [row["schedule"], str(call), str(row["groups"]), str(row["sequential"]), str(row["computed"]),
                      f"{100 * (row['computed'] - row['real']) / row['real']:.1f} %"]
-            if args.time:
+            if args.time and call != chunk:
+                cells.append("—")
+            elif args.time:
                 mode = row["schedule"].split(" ")[0]
-                if mode == "auto" and "latency" in row["schedule"]:
+                if (mode == "auto" and "latency" in row["schedule"]) or mode not in args.timed:
                     cells.append("—")
                 else:
                     if mode not in timed:
-                        timed[mode] = time_rounds(split, mode, args.rounds, args.device)
+                        timed[mode] = time_rounds(split, mode, args.rounds, args.device, args.compile)
                         print(f"{split} {mode}: {timed[mode]:.2f} s a round", flush=True)
                     cells.append(f"{timed[mode]:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
