@@ -247,7 +247,8 @@ class PrimitiveCompiler:
         (compiled or eagerly) and the others get ``empty``'s result: a step a finished client would take on a
         padded batch costs nothing."""
         compacting = self.compact and empty is not None and active is not None
-        if not (self.enabled or self.graphs or compacting) or self._inside or key in self._failed or not only_client_vmap():
+        serves = self.enabled or self.graphs or compacting
+        if not serves or self._inside or key in self._failed or not only_client_vmap():
             return NotImplemented
         leaves, spec = tree_flatten(operands)
         if any(not isinstance(t, Tensor) for t in leaves):  # e.g. a number inside a dict: not batchable as is

@@ -219,7 +219,8 @@ class FederatedModule(LightningModule):
         self.client_state, self.compression = client_state, compression
         self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
         federation = Federation(seed, clients_per_round, fraction, holdout_clients, aggregation, self.reliability)
-        self.engine = RoundEngine(built, federation, client_batching, client_chunk_size, CompilePolicy(compile_clients, cuda_graphs),
+        self.engine = RoundEngine(built, federation, client_batching, client_chunk_size,
+                                  CompilePolicy(compile_clients, cuda_graphs),
                                   StoreLocation(client_state, self.client_state_dir), step_schedule)
         self.engine.model = model
         self.evaluator = Evaluator(self.engine)

@@ -38,3 +38,25 @@ def test_chunked_scores_equal_one_chunk_in_the_listed_order() -> None:
     for key in whole:
         torch.testing.assert_close(chunked[key], whole[key], rtol=1e-6, atol=1e-6)
     assert chunked["total"].tolist() == [float(TEST_SIZES[int(c)]) for c in clients]
+
+
+def test_scores_in_slabs_of_rows_equal_the_whole_test_set() -> None:
+    """score_client with ``rows=4`` (slabs of 4 test rows, sums added in order) against the whole test set at once:
+    the same totals exactly, the loss and metric sums to rounding, the same outputs."""
+    from lightning_fedmeta.evaluation.scoring import score_client
+    from lightning_fedmeta.functional import Batch
+
+    ev = _evaluator(chunk=100)
+    engine = ev.engine
+    client = 4  # 40 test rows
+    adapt, state, record, buffers = engine.personal_inputs(client, 1)
+    test = engine.gatherer.test_batches(torch.tensor([client]))
+    test = Batch(test.x[0], test.y[0], test.mask[0])
+    fns = ev.metric.builtin_functions()
+    whole = score_client(engine.ctx, engine.algorithm, engine.global_params(), engine.server_state, adapt, test,
+                         state, record, fns, keep_outputs=True)
+    slabs = score_client(engine.ctx, engine.algorithm, engine.global_params(), engine.server_state, adapt, test,
+                         state, record, fns, keep_outputs=True, rows=4)
+    assert float(slabs["total"]) == float(whole["total"]) == 40.0
+    for key in ("loss_sum", "builtin", "outputs"):
+        torch.testing.assert_close(slabs[key], whole[key], rtol=1e-6, atol=1e-6)
