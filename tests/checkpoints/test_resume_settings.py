@@ -79,6 +79,8 @@ OTHER_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "client_batching": ("loop", {}),
     "client_chunk_size": (2, {}),
     "compile_clients": (False, {}),
+    "step_schedule": ("lockstep", {}),
+    "cuda_graphs": (False, {}),
     "client_state": ("disk", {}),
     "client_state_dir": ("client_state_elsewhere", {}),
     "holdout_clients": (1, {}),
@@ -104,6 +106,7 @@ def test_the_table_covers_every_module_option() -> None:
     assert not missing, f"give OTHER_VALUES a valid other value of the new option(s) {missing}"
     assert set(CHANGEABLE_MODEL_SETTINGS) == {
         "client_batching", "client_chunk_size", "compile_clients", "client_state", "client_state_dir",
+        "step_schedule", "cuda_graphs",
     }
     assert set(CHANGEABLE_DATA_SETTINGS) == {"root", "download", "eval_every", "eval_clients"}
 
@@ -288,17 +291,19 @@ def test_execution_settings_and_the_evaluation_schedule_may_change_and_are_repor
     scaffold_run: tuple[Path, FederatedModule], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Another eval_every and another vmap chunk size: the run resumes, says what changed, and its training
-    state is the uninterrupted run's (bit for bit: the chunks of a vmap call compute the same clients)."""
+    state is the uninterrupted run's to rounding (a chunk of 1 client and one of 3 run other kernels: bit for bit
+    on some CPUs, not on the AVX-512 CI machine, where unchanged main differed in the last bits; SCAFFOLD's control
+    variates divide parameter differences by K·η, hence 1e-5 for the client state)."""
     path, straight = scaffold_run
     resumed = _module(**MOMENTUM, client_chunk_size=1)
     with caplog.at_level(logging.INFO):
         make_trainer(4).fit(resumed, tiny_datamodule(eval_every=3), ckpt_path=str(path))
-    assert ("settings changed since the checkpoint (allowed): model.client_chunk_size: checkpoint 100, given 1; "
+    assert ("settings changed since the checkpoint (allowed): model.client_chunk_size: checkpoint 'auto', given 1; "
             "data.eval_every: checkpoint 2, given 3; trainer.max_steps: checkpoint 2, given 4") in caplog.text
     for k, v in straight.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[k], v), k
+        torch.testing.assert_close(resumed.model.state_dict()[k], v, rtol=1e-6, atol=1e-7)
     for k, v in flatten_state(straight.client_states.tensors).items():
-        assert torch.equal(flatten_state(resumed.client_states.tensors)[k], v), k
+        torch.testing.assert_close(flatten_state(resumed.client_states.tensors)[k], v, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +372,7 @@ def test_the_cli_resumes_with_changeable_settings_and_takes_the_rest_from_the_ch
         cli = run(["fit", "--config", str(config), "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
                    str(tmp_path / "a"), "--trainer.max_steps", "3", "--model.client_chunk_size", "2"])
     assert cli.trainer.global_step == 3
-    assert "model.client_chunk_size: checkpoint 100, given 2" in caplog.text
+    assert "model.client_chunk_size: checkpoint 'auto', given 2" in caplog.text
     assert "trainer.max_steps: checkpoint 2, given 3" in caplog.text
     # no --config: every model and data setting comes from the checkpoint (and the run continues SCAFFOLD)
     with caplog.at_level(logging.INFO):

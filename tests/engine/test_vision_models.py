@@ -101,10 +101,12 @@ def test_loop_equals_vmap(build, shape: tuple[int, ...], classes: int) -> None:
 def test_convolutional_models_train_in_chunks_of_ten_on_the_cpu() -> None:
     cnn, mlp = FedAvgCNN(), nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
     cpu = torch.device("cpu")
-    assert training_chunk_size(cnn, cpu, 100) == CPU_CONV_CHUNK == 10
-    assert training_chunk_size(cnn, cpu, None) == 10 and training_chunk_size(cnn, cpu, 4) == 4
-    assert training_chunk_size(mlp, cpu, 100) == 100 and training_chunk_size(mlp, cpu, None) is None
-    assert training_chunk_size(cnn, torch.device("cuda"), 100) == 100  # GPUs keep the requested chunk (no GPU needed)
+    assert training_chunk_size(cnn, cpu, "auto") == CPU_CONV_CHUNK == 10
+    assert training_chunk_size(mlp, cpu, "auto") == 100
+    # a number (or None: all at once) is used as given, convolutions or not (issue 38)
+    assert training_chunk_size(cnn, cpu, 100) == 100 and training_chunk_size(cnn, cpu, 4) == 4
+    assert training_chunk_size(cnn, cpu, None) is None and training_chunk_size(mlp, cpu, None) is None
+    assert training_chunk_size(cnn, torch.device("cuda"), "auto") == 100  # GPUs: 100 (no GPU needed)
 
 
 def test_chunked_vmap_equals_the_loop_for_a_cnn() -> None:
@@ -135,7 +137,6 @@ def test_the_round_engine_trains_a_cnn_in_chunks_of_ten_and_an_mlp_as_asked() ->
     data = FederatedData(torch.rand(12, 1, 28, 28, generator=g), torch.randint(0, 10, (12,), generator=g), counts,
                          torch.rand(12, 1, 28, 28, generator=g), torch.randint(0, 10, (12,), generator=g), counts, 10)
     for model, expected in ((FedAvgCNN(), CPU_CONV_CHUNK), (nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), 100)):
-        module = FederatedModule(model, {"name": "fedavg", "local_steps": 1, "batch_size": 2}, clients_per_round=2,
-                                 client_chunk_size=100)
+        module = FederatedModule(model, {"name": "fedavg", "local_steps": 1, "batch_size": 2}, clients_per_round=2)
         module.attach_data(data)
-        assert module.engine.training_chunk == expected
+        assert module.engine.training_chunk == expected  # client_chunk_size="auto"
