@@ -45,10 +45,13 @@ def _torchrun(out: Path) -> None:
 
 
 def _assert_same(sharded: dict, single: dict) -> None:
+    """The sharded run's state against the single process's: equal to rounding. (Bit for bit on the machine these
+    tests were written on; on the AVX-512 CI machine of 2026-11-29 unchanged main already differed in the last bits,
+    with one client per vmap call too, so the sum over ranks rounds differently there.)"""
     for group in ("params", "client_state", "server_state", "summary"):
         assert set(sharded[group]) == set(single[group]), group
         for k, v in single[group].items():
-            assert torch.equal(sharded[group][k], v), f"{group}/{k}"
+            torch.testing.assert_close(sharded[group][k], v, rtol=1e-5, atol=1e-6, msg=f"{group}/{k}")
 
 
 @pytest.mark.spawns
@@ -72,6 +75,8 @@ def test_two_nodes_with_the_disk_store_equal_the_single_process_run_and_resume(t
     for node in (0, 1):
         folder = out / f"node{node}" / f"rank-{node}" / "segments"
         assert sorted(p.name for p in folder.iterdir()) == sorted(s["file"] for s in manifest["segments"])
-    # and the single-process run wrote the same bytes (segment names hold their SHA-256)
+    # and the single-process run wrote one segment of the same rows (its bytes, hence its SHA-256 name, equal the
+    # sharded run's only where the two round alike: see _assert_same)
     alone = torch.load(tmp_path / "single" / f"run{ROUNDS}.ckpt", weights_only=True)["fedmeta"]["client_state"]
-    assert alone["segments"] == manifest["segments"][:1]
+    strip = lambda segment: {k: v for k, v in segment.items() if k not in ("file", "sha256", "bytes")}  # noqa: E731
+    assert [strip(s) for s in alone["segments"]] == [strip(s) for s in manifest["segments"][:1]]
