@@ -36,6 +36,7 @@ from typing import IO, Any
 
 __all__ = [
     "PARTIAL_SUFFIX", "atomic_torch_save", "atomic_write", "atomic_write_bytes", "fsync_directory", "partial_file",
+    "hold_writer_lock", "writer_gone",
     "publish", "sync_file",
 ]
 
@@ -76,6 +77,37 @@ def partial_file(directory: str | os.PathLike[str], prefix: str, sep: str = ".")
         raise
 
 
+def hold_writer_lock(fh: IO[Any]) -> None:
+    """Take an exclusive ``flock`` on the open temporary file ``fh`` for as long as it stays open: the kernel
+    releases it when the writer closes the file or dies, in any PID namespace, so a clean-up that can take the lock
+    (:func:`writer_gone`) knows the writer is gone. Nothing on Windows (no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+
+
+def writer_gone(path: str | os.PathLike[str]) -> bool:
+    """Whether the temporary file ``path`` belongs to no live writer: its :func:`hold_writer_lock` lock can be
+    taken. ``False`` when it cannot be checked (no ``fcntl``, the file cannot be opened): kept, never deleted.
+    Never call it on a file this process may be writing (on NFS ``flock`` is a POSIX lock, which a second open in
+    the same process would release on close)."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        with open(path, "rb") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: a writer is alive
+                return False
+            return True
+    except OSError:
+        return False
+
+
 def publish(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
     """``os.replace`` the synced temporary file ``tmp`` over ``target`` (same folder), then ``fsync`` the folder."""
     os.replace(tmp, target)
@@ -91,9 +123,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]
     os.makedirs(directory, exist_ok=True)
     with partial_file(directory, f".{name}") as tmp:
         with open(tmp, "xb") as fh:
+            hold_writer_lock(fh)  # held until the file is renamed: a clean-up never takes a live writer's file
             write(fh)
             sync_file(fh)
-        publish(tmp, target)
+            publish(tmp, target)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -50,7 +50,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
 
-from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, atomic_write
+from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, atomic_write, writer_gone
 
 __all__ = [
     "CHANGEABLE_DATA_SETTINGS",
@@ -483,32 +483,25 @@ def _read_or_refuse(read: Any, path: Any) -> dict[str, Any]:
 _serialize: Callable[[Any, Any], None] = torch.save  # indirection for tests that interrupt a write
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 #: the temporary file of an interrupted atomic write: ``.<name>.<pid>.<random>.partial`` (lightning_fedmeta.atomic_io)
 _PARTIAL_NAME = re.compile(rf"^\..+\.(\d+)\.[0-9a-f]+{re.escape(PARTIAL_SUFFIX)}$")
 
 
 def remove_stale_partials(directory: str | os.PathLike[str]) -> list[str]:
     """Remove the temporary files that interrupted saves left in ``directory``, whatever checkpoint they were
-    writing (a killed save of ``epoch=0-step=2.ckpt`` is never retried under that name), when their writer
-    process is gone; returns the paths removed. A live writer's file is kept. Not on Windows (no process ids
-    to check)."""
+    writing (a killed save of ``epoch=0-step=2.ckpt`` is never retried under that name), when their writer is
+    proven gone: the exclusive lock every writer holds on its file until the rename
+    (:func:`~lightning_fedmeta.atomic_io.hold_writer_lock`) can be taken. Not by process id: a run in another PID
+    namespace (a container on the same volume) has live writers whose ids are not alive here (issue 41, the class
+    of item 3). Files named with this process's id are never touched (they may be this process's own saves).
+    Returns the paths removed. Not on Windows (no ``flock``)."""
     removed: list[str] = []
     if os.name == "nt":
         return removed
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
             match = _PARTIAL_NAME.match(entry.name)
-            if match and entry.is_file() and not _pid_alive(int(match.group(1))):
+            if match and entry.is_file() and int(match.group(1)) != os.getpid() and writer_gone(entry.path):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
                     removed.append(entry.path)

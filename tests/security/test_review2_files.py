@@ -410,3 +410,52 @@ def test_the_working_files_of_this_machines_crashed_store_are_still_removed(tmp_
     assert sorted(p.name for p in rank.glob("work-*")) == [f"work-{store.owner}", f"work-{store.owner}.lock"]
     store.close()
     assert not list(rank.glob("work-*"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the class of item 3 for checkpoints: a save's temporary file is removed only when its writer is proven gone
+# ----------------------------------------------------------------------------------------------
+def test_a_checkpoint_save_in_another_pid_namespace_is_never_removed(tmp_path) -> None:  # noqa: ANN001
+    """A ``.partial`` named with a process id that is not alive here (a container writing to the same volume) whose
+    writer holds its lock survives the clean-up every save runs first; an unlocked one of a dead writer is removed;
+    this process's own are never touched. On 0d0f78d the live one was deleted (its pid is not alive here)."""
+    import fcntl
+    import os
+
+    from lightning_fedmeta.checkpointing import atomic_save, remove_stale_partials
+
+    foreign_pid = 999_999_999  # no such process in this namespace
+    live = tmp_path / f".last.ckpt.{foreign_pid}.0a1b2c3d.partial"
+    dead = tmp_path / f".last.ckpt.{foreign_pid}.deadbeef.partial"
+    mine = tmp_path / f".last.ckpt.{os.getpid()}.00ff00ff.partial"
+    for path in (live, dead, mine):
+        path.write_bytes(b"PK\x03\x04 half a checkpoint")
+    with open(live, "rb") as writer:  # another open file description: as another process's writer
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        assert remove_stale_partials(tmp_path) == [str(dead)]
+        atomic_save({"x": 1}, tmp_path / "other.ckpt")  # every save cleans up first: the live file stays
+        assert live.exists() and mine.exists() and not dead.exists()
+    assert remove_stale_partials(tmp_path) == [str(live)]  # its writer closed the file without renaming it
+    assert mine.exists()
+
+
+def test_an_atomic_write_holds_its_lock_until_the_rename(tmp_path) -> None:  # noqa: ANN001
+    import fcntl
+
+    from lightning_fedmeta.atomic_io import atomic_write, writer_gone
+
+    seen = {}
+
+    def write(fh) -> None:  # noqa: ANN001
+        seen["held"] = not writer_gone(fh.name)
+        with open(fh.name, "rb") as other:
+            try:
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen["free"] = True
+            except OSError:
+                seen["free"] = False
+        fh.write(b"data")
+
+    atomic_write(tmp_path / "out.bin", write)
+    assert seen == {"held": True, "free": False} and (tmp_path / "out.bin").read_bytes() == b"data"
+    assert not list(tmp_path.glob("*.partial"))
