@@ -109,6 +109,18 @@ def read_history(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return json.loads(histories[-1].read_text()) if histories else None
 
 
+def _fresh_fit(config: str | os.PathLike[str], out_dir: str | os.PathLike[str], overrides: Sequence[str]
+               ) -> tuple[Path, list[str], str]:
+    """``out_dir`` emptied and made (a stale history from an earlier run must never be read), the ``fedmeta fit``
+    command line and how it reads."""
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cmd = fit_command(config, out, overrides)
+    return out, cmd, "fedmeta " + " ".join(cmd[3:])
+
+
 def run_fit(config: str | os.PathLike[str], out_dir: str | os.PathLike[str], overrides: Sequence[str] = (), *,
             threads: int | None = None, cwd: str | os.PathLike[str] | None = None) -> FitRun:
     """Run ``fedmeta fit`` on ``config`` in a fresh process writing into ``out_dir`` (emptied first).
@@ -117,12 +129,7 @@ def run_fit(config: str | os.PathLike[str], out_dir: str | os.PathLike[str], ove
     is the run's working folder (a relative ``config`` is read from there). The output goes to
     ``out_dir/run.log``; the history is read back when the process succeeded.
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a stale history from an earlier run must never be read
-    out_dir.mkdir(parents=True)
-    cmd = fit_command(config, out_dir, overrides)
-    command = "fedmeta " + " ".join(cmd[3:])
+    out_dir, cmd, command = _fresh_fit(config, out_dir, overrides)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=thread_env(threads))
     wall_s = time.perf_counter() - start
@@ -272,12 +279,7 @@ def run_fit_until(config: str | os.PathLike[str], out_dir: str | os.PathLike[str
     """
     import signal
 
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)  # a stale history from an earlier run must never be read
-    out_dir.mkdir(parents=True)
-    cmd = fit_command(config, out_dir, overrides)
-    command = "fedmeta " + " ".join(cmd[3:])
+    out_dir, cmd, command = _fresh_fit(config, out_dir, overrides)
     stdout_path, stderr_path = out_dir / "stdout.txt", out_dir / "stderr.txt"
     start = time.perf_counter()
     killed = False

@@ -65,8 +65,12 @@ class CompilePolicy:
         rank_zero_info(f"[lightning_fedmeta] compile_clients='auto': "
                        f"{describe_decision(decision, rounds_left, eager_seconds, programs)}")
 
-    def for_training(self) -> PrimitiveCompiler:
+    def for_training(self, compact: bool = False, usual_clients: int | None = None) -> PrimitiveCompiler:
+        """The compiler for a training round: compiling as decided, compacting empty steps (``compact``:
+        ``step_schedule="compacted"``), the round's usual call size compiled whole (other sizes in buckets)."""
         self.compiler.enabled = bool(self.decision)
+        self.compiler.compact = compact
+        self.compiler.whole_sizes = set() if usual_clients is None else {usual_clients}
         self.compiler.new_call()
         return self.compiler
 

@@ -48,7 +48,7 @@ from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer, regroup
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
-from lightning_fedmeta.loop.schedule import ScheduleMode, StepCost, StepSchedule, fit_step_cost_points, time_calls
+from lightning_fedmeta.loop.schedule import ScheduleMode, StepCost, StepSchedule, measure_step_cost
 from lightning_fedmeta.loop.server import (
     ServerPipeline,
     apply_server_step,
@@ -174,31 +174,20 @@ class RoundEngine:
 
     def measure_step_cost(self, clients: int, batch_size: int | None,
                           broadcast: Callable[[Any], Any] | None = None) -> StepCost | None:
-        """Measure the cost model of ``step_schedule="auto"`` (:class:`~lightning_fedmeta.loop.schedule.StepCost`)
-        on this model and device: the fastest of 3 eager batched ``loss_and_grad`` calls on a batch of the training
-        pool's first ``batch_size`` rows, for 1, about half and all of ``min(clients, chunk)`` clients, fitted by
-        least squares to ``a + b·n``. Under several processes rank 0's measurement is used by every rank
-        (``broadcast``). ``None`` (and "grouped" stays) when fewer than 2 clients run together."""
+        """The cost model of ``step_schedule="auto"`` on this model and device
+        (:func:`~lightning_fedmeta.loop.schedule.measure_step_cost` on a batch of the training pool's first
+        ``batch_size`` rows, up to ``min(clients, chunk)`` clients per call). Under several processes rank 0's
+        measurement is used by every rank (``broadcast``). ``None`` (and "grouped" stays) when fewer than 2 clients
+        run together."""
         assert self.model is not None and self.data is not None
         chunk = self.training_chunk
         most = clients if chunk is None else min(clients, chunk)
         cost = None
         if most >= 2:
-            rows_ = min(int(self.data.train_x.shape[0]), batch_size or int(self.data.train_counts.max()))
-            x, y = self.data.train_x[:rows_], self.data.train_y[:rows_]
+            rows = min(int(self.data.train_x.shape[0]), batch_size or int(self.data.train_counts.max()))
             ctx = ClientContext(self.model, dict(self.model.named_buffers()), per_sample_loss=self.per_sample_loss)
-            params = self.global_params()
-            sync = torch.cuda.synchronize if self.device.type == "cuda" else None
-
-            def seconds(n: int) -> float:
-                stacked = {k: v.unsqueeze(0).expand(n, *v.shape).contiguous() for k, v in params.items()}
-                batch = Batch(x.unsqueeze(0).expand(n, *x.shape), y.unsqueeze(0).expand(n, *y.shape),
-                              torch.ones(n, rows_, device=x.device))
-                step = torch.func.vmap(ctx.loss_and_grad)
-                return time_calls(lambda: step(stacked, batch), sync=sync)
-
-            sizes = sorted({1, max(1, (most + 1) // 2), most})
-            cost = fit_step_cost_points([(n, seconds(n)) for n in sizes])
+            cost = measure_step_cost(ctx, self.global_params(), Batch(
+                self.data.train_x[:rows], self.data.train_y[:rows], torch.ones(rows, device=self.device)), most)
         if broadcast is not None:
             state = broadcast(None if cost is None else cost.state())
             cost = StepCost.from_state(state)
@@ -280,13 +269,13 @@ class RoundEngine:
             if self.schedule.needs_cost(self.batching):
                 self.schedule.cost = self.measure_step_cost(local.numel(), plan.batch_size, self._broadcast)
             groups = self.schedule.groups(local_steps, self.batching, self.training_chunk)
-        self.compile.for_training().compact = self.schedule.compacts and plan.epochs is not None
+        usual = sampled.numel() if self.training_chunk is None else min(sampled.numel(), self.training_chunk)
+        self.compile.for_training(compact=self.schedule.compacts and plan.epochs is not None, usual_clients=usual)
+        if self.compile.deciding(self.batching):
+            self._round_programs = self._programs_needed(groups)
         weights = self.federation.weights(sampled, self.device)
         summed = DeltaSum(weights, lambda at, chunk: self._check_chunk(round_idx, sampled[at], chunk)) \
             if stream else None
-        usual = sampled.numel() if self.training_chunk is None else min(sampled.numel(), self.training_chunk)
-        self.compile.compiler.whole_sizes = {usual}  # the round's full call: one program, one call
-        self._round_programs = self._programs_needed(groups)
         parts = [self._run_group(round_idx, local[g], local_steps[g], plan,
                                  None if summed is None else summed.for_positions(g)) for g in groups]
         out, buffers = parts[0] if len(parts) == 1 else regroup(parts, groups)

@@ -45,6 +45,7 @@ __all__ = [
     "cheapest_groups",
     "fit_step_cost_points",
     "group_seconds",
+    "measure_step_cost",
     "sequential_steps",
     "time_calls",
 ]
@@ -106,6 +107,23 @@ def time_calls(call: Callable[[], Any], repeats: int = 3, sync: Callable[[], Non
         sync()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def measure_step_cost(ctx: Any, params: dict[str, Tensor], batch: Any, most: int, repeats: int = 3) -> StepCost | None:
+    """``a`` and ``b`` of a batched step on this model and device: the fastest of ``repeats`` eager
+    ``vmap(ctx.loss_and_grad)`` calls on ``batch`` (one client's, repeated) for 1, about half and ``most`` clients,
+    fitted by :func:`fit_step_cost_points`. ``ctx`` is a :class:`~lightning_fedmeta.functional.ClientContext` without
+    a compiler (the eager step is what is timed)."""
+    device = next(iter(params.values())).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    step = torch.func.vmap(ctx.loss_and_grad)
+
+    def seconds(n: int) -> float:
+        stacked = {k: v.unsqueeze(0).expand(n, *v.shape).contiguous() for k, v in params.items()}
+        repeated = type(batch)(*(t.unsqueeze(0).expand(n, *t.shape) for t in batch))
+        return time_calls(lambda: step(stacked, repeated), repeats=repeats, sync=sync)
+
+    return fit_step_cost_points([(n, seconds(n)) for n in sorted({1, max(1, (most + 1) // 2), most})])
 
 
 def _calls(clients: int, chunk: int | None) -> int:
