@@ -43,7 +43,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -52,7 +52,13 @@ from torch import Tensor
 
 from lightning_fedmeta.atomic_io import PARTIAL_SUFFIX, atomic_write, writer_gone
 
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_fedmeta.data.federated import FederatedData
+
 __all__ = [
+    "ResumeCandidate",
     "CHANGEABLE_DATA_SETTINGS",
     "CHANGEABLE_MODEL_SETTINGS",
     "CHECKSUM_KEY",
@@ -143,7 +149,7 @@ CODE_OR_PATH_SETTINGS: dict[str, str] = {
     "data.root": "a folder to read data files from",
     "data.dataset": "a dataset class (the built-in names are plain values)",
 }
-#: trainer settings recorded in ``checkpoint["fedmeta"]["trainer"]``: a resumed run uses its own and says so
+#: trainer settings recorded in ``checkpoint["fedmeta"]["record"]["trainer"]``: a resumed run uses its own and says so
 REPORTED_TRAINER_SETTINGS: tuple[str, ...] = ("max_steps", "precision", "accelerator", "world_size")
 
 #: the run record :func:`fedmeta_run_record` writes into ``checkpoint["fedmeta"]`` for the resume checks. Every
@@ -659,9 +665,9 @@ def _refuse_code_or_paths(cls: type, checkpoint: Mapping[str, Any], kwargs: Mapp
 _LOADING_PATH: contextvars.ContextVar[Any] = contextvars.ContextVar("fedmeta_loading_path", default=None)
 
 
-def loading_path(module: Any) -> Any:
-    """The file a checkpoint being loaded into ``module`` comes from (``None`` when not known)."""
-    trainer = getattr(module, "_trainer", None)
+def loading_path(trainer: Trainer | None) -> Any:
+    """The file a checkpoint being loaded comes from: ``trainer.ckpt_path``, else the file
+    :func:`load_module_checkpoint` is reading (``None`` when not known)."""
     if trainer is not None and getattr(trainer, "ckpt_path", None):
         return trainer.ckpt_path
     return _LOADING_PATH.get()
@@ -848,10 +854,10 @@ def incomplete_record_message(path: Any, missing: list[str]) -> str:
     where = f"checkpoint {os.fspath(path)}" if isinstance(path, str | os.PathLike) else "this checkpoint"
     names = ", ".join(repr(k) for k in missing)
     return (
-        f"{where} has no record of {names} in checkpoint['fedmeta'] (every checkpoint FederatedModule writes with a "
-        f"checksum records {', '.join(repr(k) for k in RUN_RECORD_KEYS)}): the settings it was written with "
-        "cannot be compared with this run's, so it is not used. Resume from a checkpoint FederatedModule wrote, or "
-        "start a new run without it"
+        f"{where} has no record of {names} in checkpoint['fedmeta']['record'] (every checkpoint FederatedModule "
+        f"writes with a checksum records {', '.join(repr(k) for k in RUN_RECORD_KEYS)}): the settings it was "
+        "written with cannot be compared with this run's, so it is not used. Resume from a checkpoint "
+        "FederatedModule wrote, or start a new run without it"
     )
 
 
@@ -867,17 +873,36 @@ def run_settings(trainer: Any) -> dict[str, Any]:
     }
 
 
-def _saved_clients(saved: Mapping[str, Any]) -> int | None:
-    """The number of clients a checkpoint's federated state describes (rows of its client state, or ``seen``)."""
-    for value in (saved.get("client_state") or {}).values():
+@dataclass(frozen=True)
+class ResumeCandidate:
+    """What the resume checks compare a checkpoint with: the module that loads it, as plain values.
+
+    ``hparams`` are the module's saved hyper-parameters, ``module_class`` its class (whose signature gives the
+    defaults), ``data_spec`` the bound data's spec (``None``: none bound), ``configure_optimizers`` builds a
+    throwaway server optimizer to compare with the saved one."""
+
+    module_class: type
+    hparams: Mapping[str, Any]
+    algorithm: Any
+    trainer: Trainer | None
+    data: FederatedData | None
+    data_spec: Mapping[str, Any] | None
+    configure_optimizers: Callable[[], Any]
+
+
+def _saved_clients(engine: Mapping[str, Any]) -> int | None:
+    """The number of clients a checkpoint's engine part describes (rows of its client state, or ``seen``)."""
+    for value in (engine.get("client_state") or {}).values():
         if isinstance(value, Tensor) and value.dim() > 0:
             return int(value.shape[0])
-    seen = saved.get("seen")
+    seen = (engine.get("federation") or {}).get("seen")
     return int(seen.numel()) if isinstance(seen, Tensor) else None
 
 
-def check_resume_settings(module: Any, checkpoint: Mapping[str, Any], path: Any = None) -> list[SettingDifference]:
-    """Compare ``checkpoint``'s settings with ``module`` (a ``FederatedModule``) and its Trainer's datamodule.
+def check_resume_settings(candidate: ResumeCandidate, checkpoint: Mapping[str, Any],
+                          path: Any = None) -> list[SettingDifference]:
+    """Compare ``checkpoint``'s settings (its ``fedmeta`` entry in the per-part layout,
+    :mod:`~lightning_fedmeta.frontends.checkpoint_layout`) with the loading module and its Trainer's datamodule.
 
     Every hyper-parameter must match (a key the checkpoint lacks counts as the signature's default) except
     those of :data:`CHANGEABLE_MODEL_SETTINGS` / :data:`CHANGEABLE_DATA_SETTINGS` (and, unless the Trainer is
@@ -890,21 +915,23 @@ def check_resume_settings(module: Any, checkpoint: Mapping[str, Any], path: Any 
             naming every entry of :data:`RUN_RECORD_KEYS` a checkpoint with a checksum lacks (its settings could
             not be compared). A checkpoint without a checksum predates the record: what it has is compared.
     """
-    trainer = getattr(module, "_trainer", None)
+    trainer = candidate.trainer
     fitting = trainer is not None and getattr(trainer.state, "fn", None) == "fit"
     model_allowed = dict(CHANGEABLE_MODEL_SETTINGS)
     if not fitting:
         model_allowed.update(EVALUATION_ONLY_SETTINGS)
-    saved = checkpoint.get("fedmeta") or {}
+    fedmeta = checkpoint.get("fedmeta") or {}
+    saved, engine, run = (fedmeta.get(part) or {} for part in ("record", "engine", "run"))
     missing = [key for key in RUN_RECORD_KEYS if key not in saved] if CHECKSUM_KEY in checkpoint else []
     if missing:
         raise CheckpointSettingsError(incomplete_record_message(path, missing))
     saved_hp = dict(checkpoint.get("hyper_parameters") or {})
     diffs = compare_settings(
-        "model", saved_hp, dict(module.hparams), model_allowed, signature_defaults(type(module)), _COMPARED_ELSEWHERE
+        "model", saved_hp, dict(candidate.hparams), model_allowed, signature_defaults(candidate.module_class),
+        _COMPARED_ELSEWHERE
     )
     saved_algorithm = saved.get("algorithm") or describe_algorithm(saved_hp.get("algorithm"))
-    given_algorithm = describe_algorithm(module.algorithm)
+    given_algorithm = describe_algorithm(candidate.algorithm)
     if saved_algorithm is not None and given_algorithm is not None:
         diffs += compare_algorithms(saved_algorithm, given_algorithm, model_allowed)
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
@@ -914,17 +941,17 @@ def check_resume_settings(module: Any, checkpoint: Mapping[str, Any], path: Any 
         diffs += compare_settings(
             "data", saved_dm, dict(datamodule.hparams), CHANGEABLE_DATA_SETTINGS, signature_defaults(type(datamodule))
         )
-    data = getattr(module, "data", None)
-    rows = _saved_clients(saved)
+    data = candidate.data
+    rows = _saved_clients(engine)
     if data is not None and rows is not None and rows != data.num_clients:
         diffs.append(SettingDifference("number of clients in the data", rows, int(data.num_clients), False))
-    saved_spec, spec = saved.get("data_spec"), getattr(module, "_data_spec", None)
+    saved_spec, spec = run.get("data_spec"), candidate.data_spec
     if data is not None and saved_spec and spec:
         for key in ("input_shape", "num_classes", "task", "target_shape"):
             if key in saved_spec and key in spec and plain_value(saved_spec[key]) != plain_value(spec[key]):
                 diffs.append(SettingDifference(f"data: {key}", saved_spec[key], spec[key], False))
     if fitting and saved.get("server_optimizer"):
-        given_optimizer = _configured_optimizer(module)
+        given_optimizer = _configured_optimizer(candidate.configure_optimizers)
         if given_optimizer is not None:
             diffs += _compare_optimizers(saved["server_optimizer"], given_optimizer)
     refused = [d for d in diffs if not d.changeable]
@@ -956,10 +983,10 @@ def describe_server_optimizer(optimizer: Any, scheduler: Any = None) -> dict[str
     }
 
 
-def _configured_optimizer(module: Any) -> dict[str, Any] | None:
-    """The description of the server optimizer ``module.configure_optimizers()`` builds (a throwaway one)."""
+def _configured_optimizer(configure_optimizers: Callable[[], Any]) -> dict[str, Any] | None:
+    """The description of the server optimizer ``configure_optimizers()`` builds (a throwaway one)."""
     try:
-        config = module.configure_optimizers()
+        config = configure_optimizers()
     except Exception:  # noqa: BLE001 - no model yet, or an optimizer that needs the Trainer: not compared
         return None
     scheduler = None
@@ -987,17 +1014,17 @@ def _compare_optimizers(saved: Mapping[str, Any], given: Mapping[str, Any]) -> l
     return out
 
 
-def fedmeta_run_record(module: Any) -> dict[str, Any]:
-    """What ``on_save_checkpoint`` adds to ``checkpoint["fedmeta"]`` for these checks (:data:`RUN_RECORD_KEYS`): the
-    algorithm's description, the datamodule's class, the server optimizer's description and the trainer settings."""
-    trainer = getattr(module, "_trainer", None)
+def fedmeta_run_record(algorithm: Any, trainer: Trainer | None) -> dict[str, Any]:
+    """The ``record`` part ``on_save_checkpoint`` writes into ``checkpoint["fedmeta"]`` for these checks
+    (:data:`RUN_RECORD_KEYS`): the algorithm's description, the datamodule's class, the server optimizer's
+    description and the trainer settings."""
     datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
     optimizer = None
     if trainer is not None and getattr(trainer, "optimizers", None):
         schedulers = getattr(trainer, "lr_scheduler_configs", None) or []
         optimizer = describe_server_optimizer(trainer.optimizers[0], schedulers[0].scheduler if schedulers else None)
     return {
-        "algorithm": describe_algorithm(module.algorithm),
+        "algorithm": describe_algorithm(algorithm),
         "datamodule_class": _class_path(datamodule),
         "server_optimizer": optimizer,
         "trainer": run_settings(trainer),

@@ -30,13 +30,17 @@ from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.callbacks import round_bar_instead_of_default
 from lightning_fedmeta.checkpoint_state import restore_module_state, save_module_state
 from lightning_fedmeta.checkpointing import (
+    ResumeCandidate,
+    fedmeta_run_record,
     install_atomic_checkpoint_io,
     load_module_checkpoint,
+    loading_path,
 )
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.evaluation import Evaluator, format_summary
 from lightning_fedmeta.execution import ClientBatching
-from lightning_fedmeta.facade import Forward
+from lightning_fedmeta.facade import MODULE_FORWARDS, forward_attributes
+from lightning_fedmeta.frontends.fit_state import FitState
 from lightning_fedmeta.loop import CompilePolicy, Federation, RankSplit, RoundEngine, StoreLocation
 from lightning_fedmeta.loop.schedule import ScheduleMode
 from lightning_fedmeta.losses import DEFAULT_LOSS, PerSampleLoss, loss_name, resolve_loss
@@ -54,103 +58,67 @@ from lightning_fedmeta.options import (
 )
 from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.precision import drop_loss_scaler
-from lightning_fedmeta.privacy_budget import PrivacyBudget
-from lightning_fedmeta.private_fit import start_private_fit
+from lightning_fedmeta.private_fit import PrivateFit
 from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.round_logging import log_round, log_summary, run_pending_evaluation
+from lightning_fedmeta.round_logging import (
+    log_round,
+    log_summary,
+    pending_evaluation_round,
+    record_outside_validation,
+)
 
 __all__ = ["FederatedModule", "FederatedSetupError", "format_summary"]
 
 
 class FederatedModule(LightningModule):
-    """Personalized federated learning with any registered algorithm.
+    """Personalized federated learning with any registered algorithm (docs/concepts.md; every option: docs/cli.md).
 
     Args:
-        model: the network: any ``nn.Module`` (a ``LightningModule`` too: its ``forward`` is used) mapping a
-            batch of inputs to outputs the loss accepts. ``None`` builds
-            :func:`~lightning_fedmeta.models.default_model` from the data's shapes and task.
-        algorithm: a registered name (``"fedavg"``), a mapping ``{name: ..., <hyper-parameters>}``,
-            or an :class:`~lightning_fedmeta.Algorithm` instance.
-        clients_per_round: clients sampled each round (mutually exclusive with ``fraction``; 10 when
-            neither is given).
+        model: any ``nn.Module`` (a ``LightningModule``'s ``forward`` too) mapping inputs to what the loss accepts;
+            ``None`` builds :func:`~lightning_fedmeta.models.default_model` from the data's shapes and task.
+        algorithm: a registered name (``"fedavg"``), a mapping ``{name: ..., <hyper-parameters>}`` or an
+            :class:`~lightning_fedmeta.Algorithm` instance.
+        clients_per_round: clients sampled each round (exclusive with ``fraction``; 10 when neither is given).
         fraction: fraction of the training clients sampled each round (rounded up).
         aggregation: client weights ``p_i``: ``"samples"`` (∝ training samples) or ``"uniform"``.
-        server_lr: β, the learning rate of the default server optimizer ``SGD(lr=β)``.
-        server_optimizer: any ``torch.optim`` optimizer factory (e.g. Adam for FedAdam); overrides
-            ``server_lr``. Algorithms that update their models outside the server optimizer (IFCA,
-            CFL, MOCHA, the ``mtl_*`` family, Per-FedMAML: ``server_optimizer_applies = False``)
-            refuse it, and any ``server_lr`` other than 1, at construction.
-        server_lr_scheduler: optional scheduler factory for the server optimizer, stepped every round.
+        server_lr: β of the default server optimizer ``SGD(lr=β)``: ``w ← w + βΔ``.
+        server_optimizer: any ``torch.optim`` factory (Adam: FedAdam); overrides ``server_lr``. Algorithms with
+            ``server_optimizer_applies = False`` (IFCA, CFL, MOCHA, ``mtl_*``, Per-FedMAML) refuse it.
+        server_lr_scheduler: a scheduler factory for the server optimizer, stepped every round.
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
-        client_chunk_size: clients per ``vmap`` call (bounds memory, and keeps large rounds fast);
-            ``None`` = all at once; ``"auto"`` (default) = 100, and for the training rounds of a model with
-            convolutions on the CPU :data:`~lightning_fedmeta.execution.CPU_CONV_CHUNK` (10; faster: its activations
-            stay in cache). A number you give is used as given. Timings: benchmarks/results/speed.md.
-        compile_clients: ``torch.compile`` the client context's primitives (``sgd_step``, ``loss_and_grad``,
-            ``grad``, ``hvp``, ``loss``, ``predict``), each once, batched over the clients and reused for every
-            local step (:mod:`lightning_fedmeta.compiled`; vmap path only). ``"auto"`` (default) compiles the
-            training steps when the run is long enough to pay for it: after the second round of a fit, if the
-            remaining rounds would spend at least :data:`~lightning_fedmeta.compiled.AUTO_COMPILE_SECONDS` of
-            eager client computation (the decision is logged, kept in checkpoints and taken by rank 0 for all
-            ranks); evaluation stays eager. ``True`` compiles training and evaluation from the first round;
-            ``False`` never compiles. Compiled and eager steps agree to rounding. Timings:
-            benchmarks/results/speed.md.
+        client_chunk_size: clients per ``vmap`` call; ``None``: all; ``"auto"``: 100, and
+            :data:`~lightning_fedmeta.execution.CPU_CONV_CHUNK` for convolutions trained on the CPU.
+        compile_clients: ``torch.compile`` the batched client primitives (:mod:`lightning_fedmeta.compiled`):
+            ``"auto"`` when the remaining rounds pay for the programs (decided after round 2, checkpointed),
+            ``True`` always, ``False`` never. docs/performance.md.
         step_schedule: under ``local_epochs``, how clients with different step counts run
-            (:mod:`lightning_fedmeta.loop.schedule`): ``"auto"`` (default) partitions the round into the groups
-            of least time under a cost model measured on the model and device (a step's fixed latency against its
-            per-client cost; one group on a GPU, groups of similar step counts on a CPU), ``"grouped"`` (groups
-            with at most ~10 % padded steps), ``"lockstep"`` (one group, finished clients masked) or
-            ``"compacted"`` (one group, each step computing only the clients that still have a batch). The same
-            numbers under each, to rounding; the measured cost is checkpointed.
-        cuda_graphs: capture each batched client primitive (a local step, a prediction) once per shape as a CUDA
-            graph and replay it (:mod:`lightning_fedmeta.graphs`): a small model's step costs one launch instead of
-            a chain of ~100. ``"auto"`` (default): on a CUDA device with batched clients; ``True`` also refuses a
-            run that is not on a GPU; ``False`` never. Replays give the uncaptured call's numbers.
-        holdout_clients: clients never sampled in training (count, or fraction in [0, 1)); they
-            are evaluated separately as new clients.
+            (:mod:`lightning_fedmeta.loop.schedule`): ``"auto"`` (least time under a measured cost model),
+            ``"grouped"``, ``"lockstep"`` or ``"compacted"``; the same numbers under each, to rounding.
+        cuda_graphs: replay each batched primitive as a CUDA graph (:mod:`lightning_fedmeta.graphs`): ``"auto"``
+            on a CUDA device, ``True`` (refused off a GPU) or ``False``.
+        holdout_clients: clients never sampled in training (count, or fraction in [0, 1)), evaluated as new ones.
         seed: seed of client sampling and mini-batch draws (independent of the data seed).
-        loss: the per-sample loss every algorithm's local steps, adaptation and evaluation use: a name
-            (:data:`~lightning_fedmeta.losses.LOSSES`: ``cross_entropy``, ``mse``, ``bce_with_logits``, ...),
-            an import path of a function (``mypackage.losses.focal``), a ``torch.nn`` loss module (used with
-            ``reduction="none"``) or a callable ``(outputs, targets) -> [B]``. ``None``: the model's
-            ``federated_loss(outputs, targets)`` method if it has one, else the task's default
-            (cross-entropy for classes and tokens, MSE for regression, BCE with logits for multi-label).
-        metrics: the personalised metrics, ``{name: spec}``: a built-in name
-            (:data:`~lightning_fedmeta.metrics.BUILTIN_METRICS`: ``accuracy``, ``mse``, ``mae``, ``rmse``,
-            ``perplexity``) or any torchmetrics ``Metric``, kept per client. Each is logged as
-            ``{stage}/{name}_weighted``, ``_mean`` and ``_worst10`` (worst by its direction), next to the
-            loss. ``None``: ``{"acc": "accuracy"}`` for classes and tokens, ``{"mae": "mae"}`` for regression.
-        client_dropout: ``p``: each sampled client fails with probability ``p`` (a pure function of seed, round
-            and client); the round aggregates over the clients that answer, with renormalised weights; a failed
-            client's state is untouched; a round nobody answers leaves the model unchanged (and is logged).
+        loss: the per-sample loss: a name (:data:`~lightning_fedmeta.losses.LOSSES`), an import path, a
+            ``torch.nn`` loss module or a callable ``(outputs, targets) -> [B]``; ``None``: the model's
+            ``federated_loss`` if it has one, else the task's default.
+        metrics: the personalised metrics ``{name: spec}`` (a built-in name of
+            :data:`~lightning_fedmeta.metrics.BUILTIN_METRICS` or a torchmetrics ``Metric``), logged as
+            ``{stage}/{name}_weighted``, ``_mean`` and ``_worst10``; ``None``: accuracy, or MAE for regression.
+        client_dropout: ``p``: each sampled client fails with probability ``p``; the round aggregates the others.
         over_selection: ``f``: sample ``⌈(1 + f)·m⌉`` clients and keep the first ``m`` that answer.
-        local_steps_dist: per-client budgets of local steps (stragglers do fewer; their missing steps are masked,
-            clients still run batched): a list with one budget per client, or ``{distribution: uniform, low, high}``
-            or ``{distribution: choice, values, probs}`` drawn per round and client. Algorithms that declare
-            ``step_budget`` only (every built-in algorithm but MOCHA).
-        aggregator: the server's rule for uploads that are parameter deltas: ``mean`` (default: the algorithm's
-            own aggregate), ``median``, ``trimmed_mean`` (``beta``), ``krum`` / ``multi_krum`` (``f``, ``m``),
-            ``bulyan`` (``f``), ``geometric_median``, ``fednova``; ``clip`` bounds every update's norm first.
-            A name or a mapping ``{name: trimmed_mean, beta: 0.2}``.
-        byzantine: simulated Byzantine clients, ``{fraction: 0.2, attack: sign_flip}`` (attacks ``sign_flip``,
-            ``scaled``, ``gaussian``, ``alie``, ``ipm`` replace the upload; ``label_flip`` poisons the data).
-        dp: client-level differential privacy (DP-FedAvg), ``{clip: 1.0, noise_multiplier: 1.0, delta: 1e-5,
-            target_epsilon: 8, adaptive_clip: true}``: every update clipped to norm ``C``, Gaussian noise
-            ``σ·C`` on the sum, weights ``1/m``; ε (Opacus's RDP accountant) logged every round; training stops
-            before ``target_epsilon`` would be exceeded. Needs ``aggregation="uniform"``.
-        client_state: where the clients' state rows (personal models, control variates, ...) live: ``"memory"``
-            (one ``[K, ...]`` tensor per entry), ``"disk"`` (memory-mapped files, only the round's rows in
-            memory, checkpoints reference immutable checksummed segments:
-            :class:`~lightning_fedmeta.disk_state.DiskClientStateStore`) or ``"auto"`` (default): disk when
-            ``K × row bytes`` exceeds :data:`~lightning_fedmeta.disk_state.DISK_STATE_THRESHOLD_BYTES` (2 GiB);
-            the choice is logged. Results are the same bit for bit. docs/scale.md.
-        client_state_dir: the folder of the disk-backed state (each process uses ``rank-<r>`` in it; keep it
-            with the checkpoints, which reference its segments). ``None``: ``<trainer.default_root_dir>/client_state``.
-        compression: compression of what the clients send and receive, done on the client before any server stage:
-            an upload name or ``{upload: qsgd, bits: 8, bucket_size: 512, download: float16}``; uploads ``float16``,
-            ``bfloat16``, ``qsgd`` (``bits`` 8/4/2), ``topk`` (``fraction``, error feedback: the residual is client
-            state) and ``randomk`` (``fraction``); downloads ``float16``/``bfloat16``
-            (:mod:`lightning_fedmeta.compression`, docs/communication.md).
+        local_steps_dist: per-client budgets of local steps (stragglers): a list, or
+            ``{distribution: uniform, low, high}`` / ``{distribution: choice, values, probs}``.
+        aggregator: the server's rule for delta uploads: ``mean`` (default), ``median``, ``trimmed_mean``,
+            ``krum``, ``multi_krum``, ``bulyan``, ``geometric_median``, ``fednova``, or a registered plugin's;
+            a name or ``{name: ..., <options>}``.
+        byzantine: simulated Byzantine clients, ``{fraction: 0.2, attack: sign_flip}``.
+        dp: client-level differential privacy (DP-FedAvg), ``{clip, noise_multiplier, delta, target_epsilon,
+            adaptive_clip, secure_mode}``; ε logged every round; needs ``aggregation="uniform"``.
+        client_state: where the clients' state rows live: ``"memory"``, ``"disk"`` (memory-mapped,
+            :class:`~lightning_fedmeta.disk_state.DiskClientStateStore`) or ``"auto"`` (disk above 2 GiB).
+        client_state_dir: the disk store's folder (``None``: ``<trainer.default_root_dir>/client_state``).
+        compression: of uploads and downloads, on the client (:mod:`lightning_fedmeta.compression`): an upload name
+            or ``{upload: qsgd, bits: 8, download: float16}``. docs/communication.md.
 
     The reliability options (the last six) and the combinations refused at setup: docs/reliability.md.
     """
@@ -222,16 +190,14 @@ class FederatedModule(LightningModule):
         self.engine = RoundEngine(built, federation, client_batching, client_chunk_size,
                                   CompilePolicy(compile_clients, cuda_graphs),
                                   StoreLocation(client_state, self.client_state_dir), step_schedule)
-        self.engine.model = model
+        self.engine.use_model(model)
         self.evaluator = Evaluator(self.engine)
         if self.reliability.dp is not None:  # the clipping norm C (adaptive clipping changes it): checkpointed
             self.register_buffer("dp_clip", torch.tensor(float(self.reliability.dp.clip), dtype=torch.float64))
         self.per_sample_loss: PerSampleLoss | None = None
-        self._data_spec: dict[str, Any] | None = None
-        self._placed_on: torch.device | None = None
-        self._loaded_round = 0  # the round of a loaded checkpoint (test/validate do not restore global_step)
-        self._budget: PrivacyBudget | None = None
-        self._saved_privacy: dict[str, Any] | None = None  # a loaded checkpoint's privacy record
+        #: the run's own state (data spec, loss name, device, a loaded checkpoint's round and privacy record)
+        self.fit_state = FitState()
+        self.private_fit = PrivateFit(self.reliability.dp, self._sample_rate)  # model.dp's budget of this fit
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -253,18 +219,16 @@ class FederatedModule(LightningModule):
 
     def attach_data(self, data: FederatedData) -> None:
         """Bind the federated data: build the model if needed, check it, choose clients, initialise state."""
-        self._placed_on = None
-        self._data_spec = {"input_shape": list(data.input_shape), "num_classes": data.num_classes,
-                           "task": data.task, "target_shape": list(data.target_shape)}
+        spec_of_data = self.fit_state.bind(data)
         if self.model is None:
-            self.model = default_model_for(self._data_spec)
+            self.model = default_model_for(spec_of_data)
         spec = self.loss
         if spec is None and callable(getattr(self.model, "federated_loss", None)):
             spec = self.model.federated_loss
         self.per_sample_loss = resolve_loss(spec, str(data.task))
-        self._loss_name = loss_name(spec) if spec is not None else DEFAULT_LOSS[str(data.task)]
+        self.fit_state.use_loss(loss_name(spec) if spec is not None else DEFAULT_LOSS[str(data.task)])
         metric_specs = dict(self.metrics) if self.metrics is not None else dict(DEFAULT_METRICS[str(data.task)])
-        check_model_outputs(self.model, data, self.per_sample_loss, self._loss_name, metric_specs)
+        check_model_outputs(self.model, data, self.per_sample_loss, str(self.fit_state.loss_name), metric_specs)
         warn_if_optimizer_ignored(self.model, self.algorithm)
         self._locate_store()
         reason = self.engine.bind(data, self.model, self.per_sample_loss, str(data.task))
@@ -275,17 +239,18 @@ class FederatedModule(LightningModule):
 
     def _locate_store(self) -> None:
         """The disk store's rank and default folder (``<trainer.default_root_dir>/client_state``)."""
-        self.engine.store.rank = int(self.trainer.global_rank) if self._trainer is not None else 0
-        self.engine.store.default_root = self.trainer.default_root_dir if self._trainer is not None else None
+        attached = self._trainer is not None
+        self.engine.locate_store(int(self.trainer.global_rank) if attached else 0,
+                                 self.trainer.default_root_dir if attached else None)
 
     def _on_device(self) -> None:
         """Move data and client state to the module's device (once per device, or after a checkpoint loaded)."""
-        self.engine.ranks = self._ranks()
-        if self._placed_on == self.device:
+        self.engine.use_ranks(self._ranks())
+        if self.fit_state.is_placed_on(self.device):
             return
         self.engine.place(self.device)
-        self.evaluator.metric = self.evaluator.metric.to(self.device)
-        self._placed_on = self.device
+        self.evaluator.place(self.device)
+        self.fit_state.placed(self.device)
 
     def _ranks(self) -> RankSplit:
         return RankSplit.of(self.trainer) if self._trainer is not None else RankSplit()
@@ -317,7 +282,7 @@ class FederatedModule(LightningModule):
         sch = self.lr_schedulers()
         if sch is not None:
             sch.step()  # type: ignore[union-attr]
-        log_round(self, report)
+        log_round(self.log, self._trainer, report, self.reliability.dp, self.engine.traffic, self.epsilon_spent)
         return report.loss if report.loss is not None else torch.zeros((), device=self.device)
 
     def _rounds_left(self, next_round: int) -> int | None:
@@ -328,7 +293,7 @@ class FederatedModule(LightningModule):
 
     def _round(self) -> int:
         """Rounds trained so far: ``global_step``, or the loaded checkpoint's round under ``test``/``validate``."""
-        return max(int(self.global_step), self._loaded_round)
+        return max(int(self.global_step), self.fit_state.loaded_round)
 
     def compute_round(self, round_idx: int) -> Any:
         """The round's clients, outputs and weights (``(clients, None, None)`` when none answers)."""
@@ -339,14 +304,10 @@ class FederatedModule(LightningModule):
         return self.engine.federation.round_steps(round_idx, clients, self.algorithm.round_plan().steps)
 
     # ------------------------------------------------------------------------------------------
-    # differential privacy
+    # differential privacy (lightning_fedmeta.private_fit.PrivateFit)
     # ------------------------------------------------------------------------------------------
-    def _privacy(self) -> PrivacyBudget:
-        if self.reliability.dp is None:
-            raise ValueError("model.dp is not set: no privacy is accounted")
-        if self._budget is None:
-            self._budget = PrivacyBudget(self.reliability.dp, self.num_sampled / int(self.eligible.numel()))
-        return self._budget
+    def _sample_rate(self) -> float:
+        return self.num_sampled / int(self.eligible.numel())
 
     def on_train_start(self) -> None:
         """Under ``model.dp``: continue the model's privacy record and choose the noise source
@@ -354,26 +315,27 @@ class FederatedModule(LightningModule):
         checkpoint was written before. Under ``16-mixed`` the loss scaler is dropped
         (:mod:`~lightning_fedmeta.precision`)."""
         drop_loss_scaler(self.trainer)
-        if self.reliability.dp is not None:
-            self._budget = start_private_fit(self)
-        run_pending_evaluation(self)
+        broadcast = None
+        if self.trainer.world_size > 1:
+            broadcast = lambda key: self.trainer.strategy.broadcast(key, src=0)  # noqa: E731
+        self.private_fit.start(self.engine, step=int(self.global_step), saved_privacy=self.fit_state.saved_privacy,
+                               loaded_round=self.fit_state.loaded_round, broadcast=broadcast)
+        pending = pending_evaluation_round(self.trainer, self.fit_state, int(self.global_step))
+        if pending is not None:
+            record_outside_validation(self.trainer, self, self._evaluate("val", log=False), pending)
 
     def epsilon_spent(self, rounds: int) -> float:
         """ε after ``rounds`` rounds of this fit of ``model.dp`` at its ``delta``, the rounds of earlier fits of
         this model (warm starts) included (Opacus's RDP accountant, ``q = m / N``)."""
-        return self._privacy().epsilon(rounds)
+        return self.private_fit.budget().epsilon(rounds)
 
     def privacy_record(self) -> dict[str, Any] | None:
         """The checkpoint's privacy record: every ``(z, q, rounds)`` phase released and their count."""
-        if self.reliability.dp is None:
-            return None
-        return self._privacy().record(int(self.global_step))
+        return self.private_fit.record(int(self.global_step))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         """``model.dp.target_epsilon``: stop before the round that would spend more than the target."""
-        if self.reliability.dp is None or self.reliability.dp.target_epsilon is None:
-            return None
-        reason = self._privacy().refusal(int(self.global_step))
+        reason = self.private_fit.refusal(int(self.global_step))
         if reason is None:
             return None
         rank_zero_info(f"[lightning_fedmeta] {reason}")
@@ -398,7 +360,7 @@ class FederatedModule(LightningModule):
         self._on_device()
         summary, evaluated, sampled = self.evaluator.run(stage, self._round(), self._eval_sample_size(), self._ranks())
         if log:
-            log_summary(self, stage, summary, evaluated if sampled else None)
+            log_summary(self.log, self._trainer, stage, summary, evaluated if sampled else None, self.primary_metric)
         return summary
 
     @property
@@ -416,14 +378,15 @@ class FederatedModule(LightningModule):
         line = self.engine.compile.report()
         if line:
             rank_zero_info(line)
-        if self._budget is not None and self._budget.stopped and self.last_summary_round != self._round():
+        budget = self.private_fit.started
+        if budget is not None and budget.stopped and self.last_summary_round != self._round():
             # a target_epsilon stop ends the fit between two evaluations: evaluate the final model (not logged:
             # Lightning forbids logging here; the table, last_summary and the CSVs have it)
             self._evaluate("val", log=False)
         if self.last_summary and self.trainer.is_global_zero:
             rank_zero_info(format_summary(self.last_summary, self.last_summary_round))
-        if self._budget is not None:
-            rank_zero_info(self._budget.summary(int(self.global_step)))
+        if budget is not None:
+            rank_zero_info(budget.summary(int(self.global_step)))
 
     def on_test_end(self) -> None:
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP: every rank
@@ -458,7 +421,9 @@ class FederatedModule(LightningModule):
     # checkpoints
     # ------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        save_module_state(self, checkpoint)
+        save_module_state(checkpoint, engine=self.engine, evaluator=self.evaluator, fit=self.fit_state,
+                          model=self.model, round_idx=int(self.global_step), privacy=self.privacy_record(),
+                          record=fedmeta_run_record(self.algorithm, self._trainer))
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
@@ -473,21 +438,12 @@ class FederatedModule(LightningModule):
         return load_module_checkpoint(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        restore_module_state(self, checkpoint)
+        self._locate_store()
+        candidate = ResumeCandidate(type(self), dict(self.hparams), self.algorithm, self._trainer, self.data,
+                                    self.fit_state.data_spec, self.configure_optimizers)
+        self.model = restore_module_state(checkpoint, loading_path(self._trainer), candidate=candidate,
+                                          engine=self.engine, evaluator=self.evaluator, fit=self.fit_state,
+                                          model=self.model)
 
 
-#: the module's attribute -> (the part that owns it, its name there): state and phases under their historical names
-_FORWARDED: dict[str, tuple[str, str]] = {
-    **{n: ("engine", n) for n in ("algorithm", "data", "client_states", "server_state", "batching", "ctx", "records")},
-    **{n: ("engine.federation", n) for n in ("seen", "holdout", "is_holdout", "eligible", "client_weight",
-                                             "num_sampled", "num_candidates", "byzantine_clients", "round_clients")},
-    **{n: ("evaluator", n) for n in ("metric", "metric_directions", "primary_metric", "last_summary",
-                                     "last_summary_round", "last_per_client", "last_evaluated", "evaluate_clients",
-                                     "evaluation_clients", "write_per_client_csv")},
-    "compiler": ("engine.compile", "compiler"), "compile_decision": ("engine.compile", "decision"),
-    "client_buffers": ("engine.running", "store"), "stat_names": ("engine.running", "names"),
-    "commit_round": ("engine", "commit_output"), "_global_params": ("engine", "global_params"),
-    "_batches": ("engine.gatherer", "batches"),
-}
-for _name, (_owner, _attr) in _FORWARDED.items():
-    setattr(FederatedModule, _name, Forward(_owner, _attr))
+forward_attributes(FederatedModule, MODULE_FORWARDS)

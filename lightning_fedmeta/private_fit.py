@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -26,7 +26,11 @@ from lightning_fedmeta.dp_draws import KEY_BYTES
 from lightning_fedmeta.privacy import hides_cohort_size
 from lightning_fedmeta.privacy_budget import SEEDED_NOISE_NOTE, History, PrivacyBudget, without_last_rounds
 
-__all__ = ["continue_privacy_record", "parse_privacy_record", "start_private_fit"]
+if TYPE_CHECKING:
+    from lightning_fedmeta.loop.engine import RoundEngine
+    from lightning_fedmeta.privacy import DPSpec
+
+__all__ = ["PrivateFit", "continue_privacy_record", "parse_privacy_record", "start_private_fit"]
 
 #: what is said when a model whose earlier rounds have no privacy record starts a DP fit
 NO_RECORD_NOTE = ("its {rounds} rounds were trained without model.dp or by an older release, and ε counts only the "
@@ -52,40 +56,38 @@ def parse_privacy_record(record: Any) -> tuple[History, int]:
     return history, released
 
 
-def _record(module: Any, step: int) -> tuple[History, int]:
-    saved = getattr(module, "_saved_privacy", None)
-    if saved is not None:
-        return parse_privacy_record(saved)
-    loaded = int(getattr(module, "_loaded_round", 0))
-    if loaded > step:  # a warm start from a checkpoint without a record (no DP, or an older release)
+def _record(saved_privacy: Mapping[str, Any] | None, loaded_round: int, step: int) -> tuple[History, int]:
+    if saved_privacy is not None:
+        return parse_privacy_record(saved_privacy)
+    if loaded_round > step:  # a warm start from a checkpoint without a record (no DP, or an older release)
         rank_zero_warn(f"[lightning_fedmeta] the loaded checkpoint has no privacy record: "
-                       f"{NO_RECORD_NOTE.format(rounds=loaded)}", category=UserWarning)
-        return [], loaded
+                       f"{NO_RECORD_NOTE.format(rounds=loaded_round)}", category=UserWarning)
+        return [], loaded_round
     return [], step
 
 
-def start_private_fit(module: Any) -> PrivacyBudget:
-    """Set the engine's release offset and DP draws for this fit, and return its privacy budget."""
-    dp = module.reliability.dp
-    step = int(module.global_step)
-    history, released = _record(module, step)
+def start_private_fit(dp: DPSpec, engine: RoundEngine, *, step: int, saved_privacy: Mapping[str, Any] | None,
+                      loaded_round: int, broadcast: Callable[[bytes], bytes] | None = None) -> PrivacyBudget:
+    """Start the engine's releases of this fit (its offset and DP draws: :meth:`RoundEngine.start_releases`) and
+    return its privacy budget at ``q = m / N``. ``step`` is the fit's first round, ``saved_privacy`` and
+    ``loaded_round`` a loaded checkpoint's record and round, ``broadcast`` gives every rank rank 0's secret key."""
+    history, released = _record(saved_privacy, loaded_round, step)
     offset = released - step
     if offset < 0:
         raise ValueError(f"the checkpoint's privacy record says {released} rounds were released, fewer than its "
                          f"{step} steps: the record is damaged or from another run")
     prior = without_last_rounds(history, step) if history else []
-    module.engine.federation.round_offset = offset
     key = None
     if dp.secure_mode:
         key = os.urandom(KEY_BYTES)
-        if module._trainer is not None and module.trainer.world_size > 1:
-            key = module.trainer.strategy.broadcast(key, src=0)  # one secret for every rank: the same draws
+        if broadcast is not None:
+            key = broadcast(key)  # one secret for every rank: the same draws
     else:
         rank_zero_warn(f"[lightning_fedmeta] {SEEDED_NOISE_NOTE}; set model.dp.secure_mode: true for a guarantee "
                        "against them", category=UserWarning)
-    module.engine.use_secret(key)
-    module.engine.traffic.hidden = hides_cohort_size(dp)  # a Poisson cohort's size: no byte counts
-    return PrivacyBudget(dp, module.num_sampled / int(module.eligible.numel()), prior, offset)
+    engine.start_releases(offset, key, hides_cohort_size(dp))
+    federation = engine.federation
+    return PrivacyBudget(dp, federation.num_sampled / int(federation.eligible.numel()), prior, offset)
 
 
 def continue_privacy_record(dp: Any, sample_rate: float, record: Any, rounds_done: int,
@@ -106,3 +108,44 @@ def continue_privacy_record(dp: Any, sample_rate: float, record: Any, rounds_don
         raise ValueError(f"the checkpoint's privacy record says {released} rounds were released, fewer than its "
                          f"{rounds_done} rounds: the record is damaged or from another run")
     return PrivacyBudget(dp, sample_rate, history, released)
+
+
+class PrivateFit:
+    """The privacy side of a module's fits under ``model.dp`` (``dp``): this fit's budget, ε, the checkpoint's
+    record and the stop before ``target_epsilon``; ``sample_rate()`` is ``q = m / N`` (read only under DP, once
+    the data is bound). Without DP every query says so (``None``, or a ``ValueError`` for ε)."""
+
+    def __init__(self, dp: DPSpec | None, sample_rate: Callable[[], float]) -> None:
+        self.dp = dp
+        self.sample_rate = sample_rate
+        self._budget: PrivacyBudget | None = None
+
+    @property
+    def started(self) -> PrivacyBudget | None:
+        """This fit's budget once :meth:`start` or a query made it (``None``: not yet, or no DP)."""
+        return self._budget
+
+    def start(self, engine: RoundEngine, *, step: int, saved_privacy: Mapping[str, Any] | None, loaded_round: int,
+              broadcast: Callable[[bytes], bytes] | None = None) -> None:
+        """:func:`start_private_fit` for this fit (nothing without DP)."""
+        if self.dp is not None:
+            self._budget = start_private_fit(self.dp, engine, step=step, saved_privacy=saved_privacy,
+                                             loaded_round=loaded_round, broadcast=broadcast)
+
+    def budget(self) -> PrivacyBudget:
+        """This fit's budget (made fresh if no fit started it: a module used outside ``fit``)."""
+        if self.dp is None:
+            raise ValueError("model.dp is not set: no privacy is accounted")
+        if self._budget is None:
+            self._budget = PrivacyBudget(self.dp, self.sample_rate())
+        return self._budget
+
+    def record(self, step: int) -> dict[str, Any] | None:
+        """The checkpoint's privacy record after ``step`` rounds (``None`` without DP)."""
+        return None if self.dp is None else self.budget().record(step)
+
+    def refusal(self, step: int) -> str | None:
+        """Why round ``step`` must not run (``model.dp.target_epsilon`` would be exceeded), else ``None``."""
+        if self.dp is None or self.dp.target_epsilon is None:
+            return None
+        return self.budget().refusal(step)

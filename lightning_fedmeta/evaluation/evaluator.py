@@ -62,6 +62,10 @@ class Evaluator:
     # ------------------------------------------------------------------------------------------
     # scoring
     # ------------------------------------------------------------------------------------------
+    def place(self, device: torch.device) -> None:
+        """Move the per-client metric states to ``device`` (the module's, once per device)."""
+        self.metric = self.metric.to(device)
+
     def _eval_fn(self, params: Params, server_state: dict[str, Tensor], adapt: Batch, test: Batch,
                  state: dict[str, Tensor], record: ClientRecord, buffers: dict[str, Tensor]) -> dict[str, Tensor]:
         """One client's personalised model scored on its padded test set (:func:`score_client`), with its

@@ -193,6 +193,38 @@ class RoundEngine:
             cost = StepCost.from_state(state)
         return cost
 
+    def use_model(self, model: nn.Module | None) -> None:
+        """The global model the rounds train (set again by :meth:`bind`; a frontend that restores a default model
+        from a checkpoint before any data is bound passes it here)."""
+        self.model = model
+
+    def use_ranks(self, ranks: RankSplit) -> None:
+        """Which of a round's clients this process computes (:class:`~lightning_fedmeta.loop.ranks.RankSplit`)."""
+        self.ranks = ranks
+
+    def locate_store(self, rank: int, default_root: str | None) -> None:
+        """A disk store's rank (its folder ``rank-<r>``) and its default root (``<root>/client_state`` when
+        ``client_state_dir`` is not given)."""
+        self.store.rank = int(rank)
+        self.store.default_root = default_root
+
+    def use_pipeline(self, pipeline: ServerPipeline) -> None:
+        """Run the server stages of ``pipeline`` instead of the ones the reliability options built (a custom
+        stage order; :class:`~lightning_fedmeta.loop.server.ServerPipeline`)."""
+        if not isinstance(pipeline, ServerPipeline):
+            raise TypeError(f"use_pipeline needs a ServerPipeline, got {type(pipeline).__name__}")
+        self.pipeline = pipeline
+
+    def start_releases(self, offset: int, key: bytes | None, hide_cohort_size: bool) -> None:
+        """The start of a fit under ``model.dp``: round ``r``'s DP draws use the release index ``offset + r``, from
+        the secret ``key`` (``None``: from the seed); ``hide_cohort_size`` keeps byte counts, which would reveal a
+        Poisson cohort's size, out of the logs."""
+        if offset < 0:
+            raise ValueError(f"a release offset is a count of earlier releases, got {offset}")
+        self.federation.round_offset = int(offset)
+        self.use_secret(key)
+        self.traffic.hidden = bool(hide_cohort_size)
+
     def place(self, device: torch.device) -> None:
         """Move data and every client's state to ``device``; the context is rebuilt (a compiled step keeps its
         graph as long as the device does not change)."""
@@ -510,19 +542,21 @@ class RoundEngine:
     # state
     # ------------------------------------------------------------------------------------------
     def state_dict(self, round_idx: int) -> dict[str, Any]:
-        """Client state (a disk store writes the rows changed since its last checkpoint as a segment and returns a
-        manifest), BN statistics, server state, ``seen`` and the compile decision."""
-        return {
+        """Each part's state under its own key: the client state (a disk store writes the rows changed since its last
+        checkpoint as a segment and returns a manifest), BN statistics, server state, the federation's ``seen``, the
+        compile decision, the step schedule's cost, top-k residuals (when kept) and the byte counts."""
+        state = {
             "client_state": self.client_states.checkpoint_state(round_idx),
             "client_buffers": self.running.store.state_dict(),
             "server_state": {k: v.detach().cpu().clone() for k, v in flatten_state(self.server_state).items()},
-            **self.federation.state_dict(),
-            **self.compile.state_dict(),
-            **self.schedule.state_dict(),
-            **({"compression_residual": self.compression.checkpoint_state(round_idx)}
-               if self.compression.keeps_residual else {}),
+            "federation": self.federation.state_dict(),
+            "compile": self.compile.state_dict(),
+            "schedule": self.schedule.state_dict(),
             "traffic": self.traffic.state_dict(),
         }
+        if self.compression.keeps_residual:
+            state["compression_residual"] = self.compression.checkpoint_state(round_idx)
+        return state
 
     def _run_clients(self, saved: dict[str, Any]) -> int | None:
         """The run's own number of clients, which a disk store's manifest must name: the data's when it is bound
@@ -530,22 +564,25 @@ class RoundEngine:
         (a tensor the file holds, so its size bounds the count); ``None`` for a checkpoint with neither."""
         if self.data is not None:
             return int(self.data.num_clients)
-        seen = saved.get("seen")
+        seen = (saved.get("federation") or {}).get("seen")
         return int(seen.numel()) if isinstance(seen, Tensor) else None
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s parts, each from its own key (the flat layout of earlier releases is
+        migrated before: :func:`~lightning_fedmeta.frontends.checkpoint_layout.per_part_layout`)."""
         clients = self._run_clients(saved)
         self.client_states = restore_client_store(saved["client_state"], self.store, self.client_states, clients)
         self.running.store.load_state_dict(saved.get("client_buffers") or {})
         self.server_state = unflatten_state({k: v.clone() for k, v in saved["server_state"].items()})
-        if saved.get("seen") is None:  # a checkpoint from before client records: who trained is not known
+        federation = saved.get("federation") or {}
+        if federation.get("seen") is None:  # a checkpoint from before client records: who trained is not known
             rank_zero_warn(
                 "this checkpoint predates client records (no 'seen' flags): every client is treated as not "
                 "trained yet, so personal models are read as the global model until a client trains again"
             )
-        self.federation.load_state_dict(saved)
-        self.compile.load_state_dict(saved)
-        self.schedule.load_state_dict(saved)
+        self.federation.load_state_dict(federation)
+        self.compile.load_state_dict(saved.get("compile") or {})
+        self.schedule.load_state_dict(saved.get("schedule") or {})
         self.compression.load_state_dict(saved.get("compression_residual"), self.store, clients)
         self.traffic.load_state_dict(saved.get("traffic"))
         if self.data is not None:

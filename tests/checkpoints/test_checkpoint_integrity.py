@@ -134,7 +134,7 @@ def test_the_checksum_is_written_last_and_covers_every_entry() -> None:
 def _damage(good: Path, how: str, out: Path) -> Path:
     data = bytearray(good.read_bytes())
     if how == "flipped":  # 200 bytes of SCAFFOLD's stored control variates c_i
-        c_i = torch.load(good, weights_only=True)["fedmeta"]["client_state"]["c_i/weight"]
+        c_i = torch.load(good, weights_only=True)["fedmeta"]["engine"]["client_state"]["c_i/weight"]
         raw = c_i.contiguous().numpy().tobytes()
         with zipfile.ZipFile(good) as archive:
             records = [i for i in archive.infolist() if archive.read(i.filename) == raw]
@@ -162,8 +162,8 @@ def test_without_the_checksum_a_flipped_file_loads_silently(saved: tuple[Path, F
     """What the checksum is for: torch.load reads the flipped file without complaint, with other c_i."""
     good, _ = saved
     bad = _damage(good, "flipped", tmp_path / "flipped.ckpt")
-    loaded = torch.load(bad, weights_only=True)["fedmeta"]["client_state"]["c_i/weight"]
-    original = torch.load(good, weights_only=True)["fedmeta"]["client_state"]["c_i/weight"]
+    loaded = torch.load(bad, weights_only=True)["fedmeta"]["engine"]["client_state"]["c_i/weight"]
+    original = torch.load(good, weights_only=True)["fedmeta"]["engine"]["client_state"]["c_i/weight"]
     assert not torch.equal(loaded, original)
     assert (loaded != original).sum() == 50  # 200 bytes: 50 float32 values
     with pytest.raises(CheckpointDamagedError, match=r"in fedmeta\)"):
@@ -230,7 +230,7 @@ def test_a_checkpoint_without_checksum_loads_with_a_warning(saved: tuple[Path, F
 
 def test_an_edited_checkpoint_loads_once_sealed_again(saved: tuple[Path, FederatedModule], tmp_path: Path) -> None:
     checkpoint = torch.load(saved[0], weights_only=True)
-    checkpoint["fedmeta"]["client_state"]["c_i/weight"] = torch.zeros(6, 3, 5)
+    checkpoint["fedmeta"]["engine"]["client_state"]["c_i/weight"] = torch.zeros(6, 3, 5)
     with pytest.raises(CheckpointDamagedError):
         verify_checkpoint(checkpoint)
     path = tmp_path / "edited.ckpt"

@@ -184,9 +184,9 @@ def test_nested_state_resumes_bit_exact_and_is_saved_flat(tmp_path: Path) -> Non
     make_trainer(3, enable_checkpointing=True, callbacks=[ckpt]).fit(first, tiny_datamodule(eval_every=3))
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["fedmeta"]
     # the checkpoint holds flat string keys, nested levels joined by "/"
-    assert set(saved["client_state"]) == {"personal/weight", "personal/bias", "stats/rounds"}
-    assert set(saved["server_state"]) == {"drift/sum/weight", "drift/sum/bias", "rounds"}
-    assert int(saved["client_state"]["stats/rounds"].sum()) == 3 * 3
+    assert set(saved["engine"]["client_state"]) == {"personal/weight", "personal/bias", "stats/rounds"}
+    assert set(saved["engine"]["server_state"]) == {"drift/sum/weight", "drift/sum/bias", "rounds"}
+    assert int(saved["engine"]["client_state"]["stats/rounds"].sum()) == 3 * 3
 
     resumed = momentum_module(NESTED, init_seed=1)
     make_trainer(6).fit(resumed, tiny_datamodule(eval_every=3), ckpt_path=str(tmp_path / "last.ckpt"))
@@ -216,8 +216,8 @@ def test_a_flat_key_checkpoint_loads_as_flat_state(tmp_path: Path) -> None:
     checkpoint = torch.load(path, weights_only=True)
     flat_client = {"c_i.weight": torch.randn(6, 3, 5), "c_i.bias": torch.randn(6, 3)}
     flat_server = {"c.weight": torch.randn(3, 5), "c.bias": torch.randn(3)}
-    checkpoint["fedmeta"]["client_state"] = flat_client
-    checkpoint["fedmeta"]["server_state"] = flat_server
+    checkpoint["fedmeta"]["engine"]["client_state"] = flat_client
+    checkpoint["fedmeta"]["engine"]["server_state"] = flat_server
     seal_checkpoint(checkpoint)  # an edited checkpoint is re-sealed, or its checksum reports it damaged
     loaded = momentum_module(SCAFFOLD)
     loaded.on_load_checkpoint(checkpoint)
@@ -229,5 +229,5 @@ def test_a_flat_key_checkpoint_loads_as_flat_state(tmp_path: Path) -> None:
         assert torch.equal(loaded.server_state[k], v)
     again: dict[str, Any] = {}
     loaded.on_save_checkpoint(again)
-    assert set(again["fedmeta"]["client_state"]) == set(flat_client)
-    assert set(again["fedmeta"]["server_state"]) == set(flat_server)
+    assert set(again["fedmeta"]["engine"]["client_state"]) == set(flat_client)
+    assert set(again["fedmeta"]["engine"]["server_state"]) == set(flat_server)

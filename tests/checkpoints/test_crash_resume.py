@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_fedmeta.frontends.checkpoint_layout import FLAT_KEYS
+
 pytestmark = [pytest.mark.skipif(os.name == "nt", reason="SIGKILL is POSIX"), pytest.mark.spawns]
 
 ROUNDS = 6
@@ -159,10 +161,14 @@ def test_kill_9_mid_run_then_ckpt_path_last_finishes_bit_identical(tmp_path: Pat
     _tensors_equal(reference["state_dict"], final["state_dict"], "state_dict")
     _tensors_equal(reference["optimizer_states"], final["optimizer_states"], "optimizer_states")
     for key in ("client_state", "server_state", "seen", "metric_state", "round", "compile_decision"):
-        _tensors_equal(reference["fedmeta"][key], final["fedmeta"][key], f"fedmeta/{key}")
+        path = FLAT_KEYS[key]  # where the per-part layout keeps it
+        ours, theirs = reference["fedmeta"], final["fedmeta"]
+        for part in path:
+            ours, theirs = ours[part], theirs[part]
+        _tensors_equal(ours, theirs, "fedmeta/" + "/".join(path))
     # the state is not trivially equal: SCAFFOLD's control variates and the momentum buffer moved
-    assert set(final["fedmeta"]["client_state"]) == {"c_i/linear.weight", "c_i/linear.bias"}
-    assert final["fedmeta"]["server_state"]["c/linear.weight"].abs().sum() > 0
+    assert set(final["fedmeta"]["engine"]["client_state"]) == {"c_i/linear.weight", "c_i/linear.bias"}
+    assert final["fedmeta"]["engine"]["server_state"]["c/linear.weight"].abs().sum() > 0
     assert final["optimizer_states"][0]["state"][0]["momentum_buffer"].abs().sum() > 0
     assert not torch.equal(left["state_dict"]["model.linear.weight"], final["state_dict"]["model.linear.weight"])
     # and the final checkpoints carry the same checksum of the federated state

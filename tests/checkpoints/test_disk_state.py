@@ -205,7 +205,7 @@ def test_resume_from_the_last_and_from_an_earlier_checkpoint_is_bit_exact(tmp_pa
 
     first = _fit_with_checkpoints(tmp_path / "state", tmp_path / "ckpt", 4, 2)  # checkpoints after rounds 2, 4
     earlier, last = tmp_path / "ckpt" / "step=2.ckpt", tmp_path / "ckpt" / "step=4.ckpt"
-    manifest = torch.load(last, weights_only=True)["fedmeta"]["client_state"]
+    manifest = torch.load(last, weights_only=True)["fedmeta"]["engine"]["client_state"]
     assert manifest["format"] == disk_state.MANIFEST_FORMAT and len(manifest["segments"]) == 2
     assert sum(s["rows"] for s in manifest["segments"]) <= 2 * 2 * 3  # rows written since each checkpoint only
     assert not torch.equal(first.model[0].weight, straight.model[0].weight)
@@ -216,7 +216,7 @@ def test_resume_from_the_last_and_from_an_earlier_checkpoint_is_bit_exact(tmp_pa
         resumed = _fit_with_checkpoints(tmp_path / state, tmp_path / f"ckpt{i}", 6, 2, init_seed=9, ckpt_path=path)
         assert isinstance(resumed.client_states, DiskClientStateStore)
         _assert_same(straight, resumed)
-    own = torch.load(tmp_path / "ckpt2" / "step=6.ckpt", weights_only=True)["fedmeta"]["client_state"]
+    own = torch.load(tmp_path / "ckpt2" / "step=6.ckpt", weights_only=True)["fedmeta"]["engine"]["client_state"]
     moved = tmp_path / "moved" / "rank-0" / "segments"
     assert all((moved / s["file"]).is_file() for s in own["segments"])
     assert own["segments"][:2] == manifest["segments"]

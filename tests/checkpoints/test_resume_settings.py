@@ -225,8 +225,8 @@ def test_fit_from_a_checkpoint_with_other_settings_is_refused_before_any_round(
 
 
 def test_a_checkpoint_records_every_entry_of_the_run_record(scaffold_run: tuple[Path, FederatedModule]) -> None:
-    saved = torch.load(scaffold_run[0], weights_only=True)["fedmeta"]
-    assert set(fedmeta_run_record(_module())) == set(RUN_RECORD_KEYS)
+    saved = torch.load(scaffold_run[0], weights_only=True)["fedmeta"]["record"]
+    assert set(fedmeta_run_record(_module().algorithm, None)) == set(RUN_RECORD_KEYS)
     missing = [key for key in RUN_RECORD_KEYS if key not in saved]
     assert not missing, f"the checkpoint's run record lacks {missing}"
     assert saved["server_optimizer"]["class"] == "torch.optim.sgd.SGD"
@@ -243,10 +243,10 @@ def test_a_checkpoint_whose_run_record_lacks_an_entry_is_refused_naming_it(
     Lightning's optimizer restore: every entry of the record must be there, or the checkpoint is refused, naming
     the entry, before any round, for fit and for load_from_checkpoint alike."""
     checkpoint = torch.load(scaffold_run[0], weights_only=True)
-    checkpoint["fedmeta"].pop(key, None)
+    checkpoint["fedmeta"]["record"].pop(key, None)
     path = tmp_path / f"without-{key}.ckpt"
     torch.save(seal_checkpoint(checkpoint), path)
-    message = re.escape(f"checkpoint {path} has no record of '{key}' in checkpoint['fedmeta']")
+    message = re.escape(f"checkpoint {path} has no record of '{key}' in checkpoint['fedmeta']['record']")
     for optimizer in (MOMENTUM, {"server_optimizer": lambda p: torch.optim.Adam(p, lr=0.8)}):
         module = _module(**optimizer)
         entered = _refuse_rounds(module)
@@ -264,7 +264,7 @@ def test_a_checkpoint_without_checksum_predates_the_run_record_and_resumes_witho
     it resumes with a warning, as before, and its hyper-parameters are still compared."""
     checkpoint = torch.load(scaffold_run[0], weights_only=True)
     for key in RUN_RECORD_KEYS:
-        checkpoint["fedmeta"].pop(key, None)
+        checkpoint["fedmeta"]["record"].pop(key, None)
     del checkpoint[CHECKSUM_KEY]
     path = tmp_path / "old.ckpt"
     torch.save(checkpoint, path)

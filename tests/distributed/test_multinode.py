@@ -70,13 +70,14 @@ def test_two_nodes_with_the_disk_store_equal_the_single_process_run_and_resume(t
     assert not torch.equal(single["params"]["0.weight"], straight["params"]["0.weight"])
 
     # every node wrote the same segments in its own folder (no shared files), the ones rank 0's checkpoint names
-    manifest = torch.load(out / f"run{ROUNDS + 2}.ckpt", weights_only=True)["fedmeta"]["client_state"]
+    manifest = torch.load(out / f"run{ROUNDS + 2}.ckpt", weights_only=True)["fedmeta"]["engine"]["client_state"]
     assert len(manifest["segments"]) == 2
     for node in (0, 1):
         folder = out / f"node{node}" / f"rank-{node}" / "segments"
         assert sorted(p.name for p in folder.iterdir()) == sorted(s["file"] for s in manifest["segments"])
     # and the single-process run wrote one segment of the same rows (its bytes, hence its SHA-256 name, equal the
     # sharded run's only where the two round alike: see _assert_same)
-    alone = torch.load(tmp_path / "single" / f"run{ROUNDS}.ckpt", weights_only=True)["fedmeta"]["client_state"]
+    alone = torch.load(tmp_path / "single" / f"run{ROUNDS}.ckpt", weights_only=True)["fedmeta"]
+    alone = alone["engine"]["client_state"]
     strip = lambda segment: {k: v for k, v in segment.items() if k not in ("file", "sha256", "bytes")}  # noqa: E731
     assert [strip(s) for s in alone["segments"]] == [strip(s) for s in manifest["segments"][:1]]

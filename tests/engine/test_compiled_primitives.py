@@ -186,7 +186,7 @@ def test_auto_stays_eager_for_a_short_run_and_the_decision_is_kept_in_the_checkp
         ckpt = tmp_path / "last.ckpt"
         module.trainer.save_checkpoint(ckpt)
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["fedmeta"]["compile_decision"] is False
+    assert saved["fedmeta"]["engine"]["compile"]["compile_decision"] is False
 
 
 def test_auto_compiles_a_run_long_enough_to_pay_for_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

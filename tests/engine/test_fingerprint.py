@@ -178,7 +178,8 @@ def _fingerprint(spec: dict[str, Any], options: dict[str, Any], kind: str, root:
     trainer.fit(module, datamodule)
     trainer.save_checkpoint(root / "end.ckpt")
     checkpoint = torch.load(root / "end.ckpt", weights_only=True, map_location="cpu")
-    saved = checkpoint["fedmeta"]
+    parts = checkpoint["fedmeta"]  # one key per part (frontends/checkpoint_layout.py); the values are those of old
+    saved = {**parts["engine"], **parts["engine"]["federation"], **parts["evaluator"]}
     summaries = {key: float(value) for key, value in trainer.callback_metrics.items()}
     return {
         "model": _hash_tensors(checkpoint["state_dict"]),

@@ -229,7 +229,7 @@ def test_metric_states_are_checkpointed_and_restore_the_same_per_client_values(t
     trainer.fit(module, FederatedDataModule(dataset=dataset, eval_every=2))
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
-    saved = torch.load(path, weights_only=True)["fedmeta"]["metric_state"]
+    saved = torch.load(path, weights_only=True)["fedmeta"]["evaluator"]["metric_state"]
     assert saved["torchmetrics/acc/tp"].shape[0] == len(SIZES)  # one state row per client
     restored = make()
     restored.attach_data(from_client_tensors(classification_clients(), 3))
@@ -442,4 +442,4 @@ def test_each_task_config_runs_from_the_cli_and_logs_its_metrics(task: str, tmp_
     history = read_history(next(tmp_path.rglob("fedmeta_history.json")))
     assert history["primary_metric"] == primary and history["higher_is_better"] is higher
     checkpoint = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=True)
-    assert checkpoint["fedmeta"]["metric_state"]["total"].shape == (6,)
+    assert checkpoint["fedmeta"]["evaluator"]["metric_state"]["total"].shape == (6,)

@@ -322,7 +322,7 @@ def _forged(ckpt: Path, num_clients: int) -> Path:
     """``ckpt`` with its manifest's num_clients changed, re-sealed (a checksum that matches the new bytes)."""
     checkpoint = torch.load(ckpt, weights_only=True)
     checkpoint.pop(CHECKSUM_KEY, None)
-    checkpoint["fedmeta"]["client_state"]["num_clients"] = num_clients
+    checkpoint["fedmeta"]["engine"]["client_state"]["num_clients"] = num_clients
     forged = ckpt.with_name("forged.ckpt")
     torch.save(seal_checkpoint(checkpoint), forged)
     return forged

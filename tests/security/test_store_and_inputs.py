@@ -65,7 +65,8 @@ def test_a_run_resumed_into_another_folder_writes_only_there_and_survives_the_ol
     moved = _fit_in(tmp_path / "new", 4, tmp_path / "old" / "ckpt" / "step=2.ckpt")
     assert Path(moved.client_states.directory) == tmp_path / "new" / "client_state" / "rank-0"
     assert _tree(tmp_path / "old" / "client_state") == before  # the old run's folder was only read
-    manifest = torch.load(tmp_path / "new" / "ckpt" / "step=4.ckpt", weights_only=True)["fedmeta"]["client_state"]
+    manifest = torch.load(tmp_path / "new" / "ckpt" / "step=4.ckpt", weights_only=True)["fedmeta"]
+    manifest = manifest["engine"]["client_state"]
     assert manifest["directory"] == str(tmp_path / "new" / "client_state") and len(manifest["segments"]) == 2
     shutil.rmtree(tmp_path / "old")
     again = _fit_in(tmp_path / "third", 6, tmp_path / "new" / "ckpt" / "step=4.ckpt")
