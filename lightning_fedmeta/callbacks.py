@@ -98,7 +98,7 @@ def _upgrade_history(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def module_metrics(pl_module: Any) -> tuple[str, dict[str, bool]]:
+def module_metrics(pl_module: pl.LightningModule) -> tuple[str, dict[str, bool]]:
     """``(primary_metric, metric_directions)`` of a module, with accuracy defaults for old modules.
 
     ``metric_directions`` maps each metric key to *higher is better* and always contains the primary
@@ -133,20 +133,20 @@ def _as_list(values: Any) -> list[float] | None:
     return None
 
 
-def evaluation_round(trainer: Any, pl_module: Any) -> int:
+def evaluation_round(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
     """The round an evaluation belongs to: the module's own count of trained rounds when it keeps one.
 
     A :class:`~lightning_fedmeta.FederatedModule` counts ``global_step`` or, under ``test``/``validate`` of a
     loaded checkpoint, the checkpoint's round (a test-only Trainer's ``global_step`` is 0, so a round-200
     checkpoint would otherwise be recorded as round 0). Any other module: ``trainer.global_step``.
     """
-    module_round = getattr(pl_module, "_round", None)
+    module_round = getattr(pl_module, "trained_rounds", None)
     if callable(module_round):
         return int(module_round())
     return int(trainer.global_step)
 
 
-def module_algorithm(pl_module: Any) -> str | None:
+def module_algorithm(pl_module: pl.LightningModule) -> str | None:
     """The name of the module's algorithm (``"fedavg"``; its class name when it has no registered name), or
     ``None`` for a module without ``algorithm``: it labels the per-run figures and is stored in the history."""
     algorithm = getattr(pl_module, "algorithm", None)
@@ -227,7 +227,8 @@ class PlotCallback(Callback):
 
     # -- recording ------------------------------------------------------------------------------
     @staticmethod
-    def _per_client_values(pl_module: Any, primary: str, directions: Mapping[str, bool]) -> dict[str, list[float]]:
+    def _per_client_values(pl_module: pl.LightningModule, primary: str,
+                           directions: Mapping[str, bool]) -> dict[str, list[float]]:
         """Per-client values of every metric key the module reports (the primary one included)."""
         values: dict[str, list[float]] = {}
         last = getattr(pl_module, "last_per_client", None)

@@ -291,7 +291,7 @@ class FederatedModule(LightningModule):
             return None
         return max(0, self.trainer.max_steps - next_round)
 
-    def _round(self) -> int:
+    def trained_rounds(self) -> int:
         """Rounds trained so far: ``global_step``, or the loaded checkpoint's round under ``test``/``validate``."""
         return max(int(self.global_step), self.fit_state.loaded_round)
 
@@ -358,7 +358,8 @@ class FederatedModule(LightningModule):
 
     def _evaluate(self, stage: str, log: bool = True) -> dict[str, dict[str, Tensor]]:
         self._on_device()
-        summary, evaluated, sampled = self.evaluator.run(stage, self._round(), self._eval_sample_size(), self._ranks())
+        summary, evaluated, sampled = self.evaluator.run(stage, self.trained_rounds(), self._eval_sample_size(),
+                                                         self._ranks())
         if log:
             log_summary(self.log, self._trainer, stage, summary, evaluated if sampled else None, self.primary_metric)
         return summary
@@ -379,7 +380,7 @@ class FederatedModule(LightningModule):
         if line:
             rank_zero_info(line)
         budget = self.private_fit.started
-        if budget is not None and budget.stopped and self.last_summary_round != self._round():
+        if budget is not None and budget.stopped and self.last_summary_round != self.trained_rounds():
             # a target_epsilon stop ends the fit between two evaluations: evaluate the final model (not logged:
             # Lightning forbids logging here; the table, last_summary and the CSVs have it)
             self._evaluate("val", log=False)
@@ -392,7 +393,7 @@ class FederatedModule(LightningModule):
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP: every rank
         if not (self.last_summary and self.trainer.is_global_zero):
             return
-        rank_zero_info(format_summary(self.last_summary, self._round()))
+        rank_zero_info(format_summary(self.last_summary, self.trained_rounds()))
         path = self.write_per_client_csv(directory)
         rank_zero_info(f"per-client test accuracy written to {path}")
 
@@ -414,7 +415,7 @@ class FederatedModule(LightningModule):
         assert self.model is not None, "the module has no model yet"
         if isinstance(client, int) and self.data is not None:
             self._on_device()
-        r = self._round() if round_idx is None else round_idx
+        r = self.trained_rounds() if round_idx is None else round_idx
         return personal_model(self.engine, self.model, client, r, self.device, attached=self.data is not None)
 
     # ------------------------------------------------------------------------------------------

@@ -770,7 +770,8 @@ class _SaveAt(Callback):
         self.step = step
         self.path = path
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
 

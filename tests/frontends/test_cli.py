@@ -154,5 +154,5 @@ def test_checkpoint_keywords_of_an_earlier_fit_are_refused_by_a_fresh_test(keywo
 def test_untrained_flag_evaluates_the_initial_model_at_round_0(tmp_path: Path) -> None:
     cli = run(["test", "--config", QUICKSTART, "--untrained", "true", "--trainer.default_root_dir", str(tmp_path),
                *QUIET])
-    assert cli.model._round() == 0  # type: ignore[attr-defined]
+    assert cli.model.trained_rounds() == 0  # type: ignore[attr-defined]
     assert 0.0 <= float(cli.trainer.callback_metrics["test/acc_weighted"]) <= 1.0  # type: ignore[attr-defined]
