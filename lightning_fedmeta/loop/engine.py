@@ -527,8 +527,9 @@ class RoundEngine:
         if bool(keep.all()):
             return result
         dropped = result.clients[~keep.to(result.clients.device)].tolist()
-        rank_zero_info(f"[lightning_fedmeta] round {result.round_idx}: clients {dropped} produced a non-finite loss "
-                       "or update and are left out of the round (model.nonfinite = drop)")
+        named = "some clients" if self.draws is not None else f"clients {dropped}"  # secure_mode: cohorts secret
+        rank_zero_info(f"[lightning_fedmeta] round {result.round_idx}: {named} produced a non-finite loss or update "
+                       "and are left out of the round (RoundEngine.nonfinite = 'drop')")
         if not bool(keep.any()):
             return None
         kept = self._kept(result, keep)
