@@ -44,7 +44,7 @@ from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
 from lightning_fedmeta.atomic_io import atomic_write
 from lightning_fedmeta.communication import TrafficCounter, sent_model
 from lightning_fedmeta.compression import check_composition
-from lightning_fedmeta.dp_draws import SecretDraws
+from lightning_fedmeta.dp_draws import KEY_BYTES, DPDraws
 from lightning_fedmeta.evaluation.fairness import flat_spread, summaries_with_spread
 from lightning_fedmeta.flower.compressed import wire_bytes
 from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
@@ -309,20 +309,18 @@ class DeploymentServer:
             self.algorithm, reliability, seed=cfg.seed, clients_per_round=cfg.clients_per_round,
             fraction=options.get("fraction"), holdout_clients=options.get("holdout_clients", 0),
             aggregation=options.get("aggregation", "samples"))
-        federation = engine.federation
-        engine.nonfinite = "drop"  # an untrusted node's non-finite output never stops the run (module docstring)
-        engine.holds_client_state = False  # the nodes keep their own state (state_file.py)
-        engine.upload_compression = self.compression  # the nodes compress; the bytes are counted as simulated
-        engine.answer_rate = self.expected_answers
+        # the nodes keep their state (state_file.py) and compress their uploads; a non-finite reply or aggregate
+        # never stops the run (module docstring); m̂ is the answer rate observed so far
+        engine.serve_remote_clients(self.compression, self.expected_answers)
         if self.compression is not None:
             check_composition(self.compression, algorithm_name=self.algorithm.name or type(self.algorithm).__name__,
                               uploads_delta=uploads_delta(self.algorithm), aggregator=reliability.aggregator.name)
         self.dp_clip = math.inf if reliability.dp is None else float(reliability.dp.clip)
-        # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds
-        engine.draws = SecretDraws() if reliability.dp is not None and reliability.dp.secure_mode else None
-        federation.cohort_draws = engine.draws
+        # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds; Poisson cohort
+        # sizes: no byte counts published
+        secure = reliability.dp is not None and reliability.dp.secure_mode
+        engine.start_releases(0, os.urandom(KEY_BYTES) if secure else None, hides_cohort_size(reliability.dp))
         self.secret_cohorts = engine.draws is not None
-        engine.traffic.hidden = hides_cohort_size(reliability.dp)  # Poisson cohort sizes: no byte counts published
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
         engine.bind_population(self.counts, self.label_counts, self.model, str(spec["task"]))
         self.reply_spec = ReplySpec.of(*honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
@@ -358,8 +356,8 @@ class DeploymentServer:
         return self.engine.traffic
 
     @property
-    def draws(self) -> SecretDraws | None:
-        return None if self.engine is None else self.engine.draws  # type: ignore[return-value]
+    def draws(self) -> DPDraws | None:
+        return None if self.engine is None else self.engine.draws
 
     @property
     def seed(self) -> int:

@@ -261,6 +261,24 @@ class RoundEngine:
             raise TypeError(f"use_pipeline needs a ServerPipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
 
+    def use_nonfinite(self, policy: NonFinite) -> None:
+        """What a round does with a non-finite client output or aggregate (:attr:`nonfinite`, the module
+        docstring): ``"raise"`` or ``"drop"``."""
+        if policy not in ("raise", "drop"):
+            raise ValueError(f"the non-finite policy is 'raise' or 'drop', got {policy!r}")
+        self.nonfinite = policy
+
+    def serve_remote_clients(self, upload_compression: CompressionSpec | None,
+                             answer_rate: Callable[[], float]) -> None:
+        """The engine of a frontend whose clients run elsewhere and are not trusted (a Flower deployment's nodes;
+        call before :meth:`bind_population`): no client state rows here (the nodes keep theirs), the ``"drop"``
+        policy for non-finite outputs and aggregates, the bytes of the compression the nodes apply counted as
+        simulated, and adaptive clipping's ``m̂`` from the answer rate the frontend observes."""
+        self.holds_client_state = False
+        self.use_nonfinite("drop")
+        self.upload_compression = upload_compression
+        self.answer_rate = answer_rate
+
     def start_releases(self, offset: int, key: bytes | None, hide_cohort_size: bool) -> None:
         """The start of a fit under ``model.dp``: round ``r``'s DP draws use the release index ``offset + r``, from
         the secret ``key`` (``None``: from the seed); ``hide_cohort_size`` keeps byte counts, which would reveal a

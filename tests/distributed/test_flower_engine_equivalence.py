@@ -60,7 +60,7 @@ def simulated(cfg_path: Path, nonfinite: str = "raise") -> Any:
     dm = cfg.datamodule()
     dm.federated_data = _federation(cfg.path)
     module = cfg.reference_module(cfg.build_model(data_spec_of(dm.federated_data)))
-    module.engine.nonfinite = nonfinite
+    module.engine.use_nonfinite(nonfinite)
     make_trainer(ROUNDS, limit_val_batches=0).fit(module, datamodule=dm)
     return module
 

@@ -19,7 +19,7 @@ def _engine_and_round(nonfinite: str) -> tuple[object, RoundResult, torch.optim.
     module = tiny_module({"name": "fedavg", "local_steps": 1, "batch_size": 4}, clients_per_round=3)
     module.attach_data(tiny_data())
     engine = module.engine
-    engine.nonfinite = nonfinite
+    engine.use_nonfinite(nonfinite)
     result = engine.compute(0)
     assert result is not None and result.clients.numel() == 3
     optimizer = torch.optim.SGD(module.model.parameters(), lr=1.0)
