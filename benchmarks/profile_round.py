@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 import lightning_fedmeta.functional as functional_lib
-import lightning_fedmeta.loop.engine as engine_lib
+import lightning_fedmeta.loop.clients as engine_lib  # the client half: where the engine calls run_clients
 import lightning_fedmeta.loop.gather as gather_lib
 from benchmarks import speed
 from benchmarks.speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_round

@@ -1,12 +1,15 @@
 """One client of a deployment: its data, and the algorithm's functional round and evaluation on it.
 
-What the in-process loop computes for client ``c`` in round ``r`` (``FederatedModule.compute_round``,
-docs/design.md contracts 1, 2 and 9) is computed here from the node's own data alone:
+What the in-process loop computes for client ``c`` in round ``r`` (the engine's client half, docs/design.md
+contracts 1, 2 and 9) is computed here from the node's own data alone, by the same functions
+(:mod:`lightning_fedmeta.loop.clients`, :class:`~lightning_fedmeta.loop.gather.BatchGatherer` on the partition):
 
     batches  = draw_batch_indices(seed, "train", r, c, plan = algorithm.round_plan())   pure in (seed, r, c)
     state    = the client's state after its last aggregated round (ClientStateFile), or the initial state
                algorithm.init_client_states(w0, population)[c] before its first one
-    out      = algorithm.client_update(ctx, w, batches, state, σ, record_c)            (run_clients, 1 client)
+    s_c      = its BatchNorm running statistics after that round (kept in the same file), or the model's
+               published ones before its first round
+    out, s_c = client_update(ctx with s_c, w, batches, state, σ, record_c)             (run_client_updates)
 
 The record (index ``c`` = partition id, weight ``p_c`` over the training clients, held out, seen, ``n_c``) and the
 client's view of the population (:func:`population_view`: ``K``, the largest training-set size and its own label
@@ -29,17 +32,21 @@ from torch import Tensor, nn
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.data.federated import FederatedData, from_client_tensors
 from lightning_fedmeta.evaluation.scoring import score_client
-from lightning_fedmeta.execution import choose_batching, run_clients
+from lightning_fedmeta.execution import choose_batching
 from lightning_fedmeta.flower.config import DeploymentConfig, import_object, load_config
 from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.loop.clients import loop_seeds, run_client_updates
+from lightning_fedmeta.loop.gather import BatchGatherer
 from lightning_fedmeta.losses import LOSSES, resolve_loss
 from lightning_fedmeta.metrics import BUILTIN_METRICS, DEFAULT_METRICS
 from lightning_fedmeta.running_stats import prepare_model
-from lightning_fedmeta.sampling import draw_batch_indices, stable_seed
 from lightning_fedmeta.state import map_state
 
-__all__ = ["NODE_SETTINGS", "LocalClient", "client_for", "data_spec_of", "load_partition", "node_setting",
-           "partition_of", "population_view"]
+__all__ = ["NODE_SETTINGS", "STATISTICS", "LocalClient", "client_for", "data_spec_of", "load_partition",
+           "node_setting", "partition_of", "population_view"]
+
+#: the key of the node's BatchNorm running statistics in its state file (next to the algorithm's state)
+STATISTICS = "bn-statistics"
 
 #: settings only the node's owner chooses (node config): where its data comes from and whether its personal state
 #: leaves the node. A run config (written by whoever starts the run) naming them is ignored, with a warning.
@@ -184,11 +191,8 @@ class LocalClient:
         self.partition_id = int(partition_id)
         self.algorithm: Algorithm = cfg.algorithm()
         self.model: nn.Module = cfg.build_model(data_spec_of(data))
-        if prepare_model(self.model):
-            raise ValueError(
-                "model.model has BatchNorm layers with running statistics: their per-client statistics are not "
-                "deployed on Flower yet (use track_running_stats=False, GroupNorm or LayerNorm)"
-            )
+        #: the BatchNorm running statistics (functional, per client: the node keeps its own, as the engine does)
+        self.statistics_names = prepare_model(self.model)
         loss = cfg.module_options.get("loss")
         if loss is None and callable(getattr(self.model, "federated_loss", None)):
             loss = self.model.federated_loss
@@ -202,6 +206,7 @@ class LocalClient:
         metrics = cfg.module_options.get("metrics") or DEFAULT_METRICS[str(data.task)]
         self.metric_names = {key: BUILTIN_METRICS[name] for key, name in dict(metrics).items()}
         self._bound: Any = None
+        self.gatherer = BatchGatherer(data, cfg.seed, torch.device("cpu"), clients=torch.tensor([self.partition_id]))
 
     # -- the population --------------------------------------------------------------------------
     def bind(self, population: ClientRecord, label_counts: Tensor) -> None:
@@ -218,41 +223,47 @@ class LocalClient:
         return map_state(lambda v: v[self.partition_id].clone(), states)
 
     # -- one round ---------------------------------------------------------------------------------
-    def _draw(self, tag: str, round_idx: int, plan: Any, width: int) -> Batch:
-        """The mini-batches ``FederatedModule._batches`` draws for this client (its own rows only)."""
-        c, n = self.partition_id, int(self.data.train_offsets[1])
-        offsets = torch.zeros(c + 2, dtype=torch.long)
-        offsets[c + 1] = n  # client c owns local rows 0..n-1: the same local draws as in the federation
-        idx, mask = draw_batch_indices(self.cfg.seed, tag, round_idx, torch.tensor([c]), offsets, plan, width)
-        return Batch(self.data.train_x[idx], self.data.train_y[idx], mask)
-
-    def _client_fn(self, params: Params, server_state: dict[str, Any], batches: Batch, state: dict[str, Any],
-                   record: ClientRecord) -> ClientOutput:
-        return self.algorithm.client_update(self.ctx, params, batches, state, server_state, record)
-
     def _seeds(self, tag: str, round_idx: int) -> list[int] | None:
-        return [stable_seed(self.cfg.seed, tag, round_idx, self.partition_id)] if self.batching == "loop" else None
+        return loop_seeds(self.cfg.seed, self.batching, tag, round_idx, torch.tensor([self.partition_id]))
 
     def train(self, round_idx: int, params: Params, server_state: dict[str, Any], state: dict[str, Any],
-              record: ClientRecord, width: int) -> ClientOutput:
-        """``client_update`` for round ``round_idx``, unstacked (one client), as ``compute_round`` runs it."""
+              record: ClientRecord, width: int,
+              statistics: dict[str, Tensor] | None = None) -> tuple[ClientOutput, dict[str, Tensor]]:
+        """``client_update`` for round ``round_idx``, unstacked (one client), as the engine's client half runs it
+        (:func:`~lightning_fedmeta.loop.clients.run_client_updates`), from the BatchNorm ``statistics`` the client
+        starts from; returns its output and its statistics after the round (``{}`` without BatchNorm)."""
         self._check_record(record)
-        batches = self._draw("train", round_idx, self.algorithm.round_plan(), width)
-        stacked = run_clients(
-            self._client_fn, (params, server_state),
-            (batches, map_state(lambda v: v.unsqueeze(0), state), ClientRecord(*(t.reshape(1) for t in record))),
+        statistics = self._statistics(statistics)
+        clients = torch.tensor([self.partition_id])
+        batches = self.gatherer.batches("train", round_idx, clients, self.algorithm.round_plan(), width)
+        stacked, buffers = run_client_updates(
+            self.algorithm, self.ctx, (params, server_state),
+            (batches, map_state(lambda v: v.unsqueeze(0), state), ClientRecord(*(t.reshape(1) for t in record)),
+             {k: v.unsqueeze(0) for k, v in statistics.items()}),
             1, self.batching, None, self._seeds("dropout", round_idx),
-            label=f"{type(self.algorithm).__name__}.client_update",
         )
-        return ClientOutput(*(map_state(lambda v: v[0], tree) for tree in stacked))
+        return (ClientOutput(*(map_state(lambda v: v[0], tree) for tree in stacked)),
+                {k: v[0] for k, v in buffers.items()})
+
+    def _statistics(self, statistics: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """The statistics a round starts from, checked against the model's BatchNorm buffers."""
+        statistics = dict(statistics or {})
+        if sorted(statistics) != sorted(self.statistics_names):
+            raise ValueError(f"the BatchNorm statistics given ({sorted(statistics)}) are not the model's running "
+                             f"statistics ({sorted(self.statistics_names)})")
+        return statistics
 
     def evaluate(self, round_idx: int, params: Params, server_state: dict[str, Any], state: dict[str, Any],
-                 record: ClientRecord, width: int) -> dict[str, float]:
+                 record: ClientRecord, width: int, statistics: dict[str, Tensor] | None = None) -> dict[str, float]:
         """The personalised evaluation (:func:`~lightning_fedmeta.evaluation.scoring.score_client`, as the
-        simulator scores a client): ``total``, ``loss_sum`` and ``<metric>_sum`` for each built-in metric."""
+        simulator scores a client, with the client's BatchNorm ``statistics``): ``total``, ``loss_sum`` and
+        ``<metric>_sum`` for each built-in metric."""
         self._check_record(record)
-        adapt = self._draw("adapt", round_idx, self.algorithm.eval_plan(), width)
+        statistics = self._statistics(statistics)
+        clients = torch.tensor([self.partition_id])
+        adapt = self.gatherer.batches("adapt", round_idx, clients, self.algorithm.eval_plan(), width)
         adapt = Batch(adapt.x[0], adapt.y[0], adapt.mask[0])
+        ctx = self.ctx.for_client(statistics) if statistics else self.ctx
         was_training = self.model.training
         self.model.eval()
         try:
@@ -262,7 +273,7 @@ class LocalClient:
                     torch.manual_seed(seeds[0])
                 test = Batch(self.data.test_x, self.data.test_y, torch.ones(self.data.test_y.shape[0]))
                 functions = [metric.per_sample for metric in self.metric_names.values()]
-                sums = score_client(self.ctx, self.algorithm, params, server_state, adapt, test, state, record,
+                sums = score_client(ctx, self.algorithm, params, server_state, adapt, test, state, record,
                                     functions)
         finally:
             self.model.train(was_training)

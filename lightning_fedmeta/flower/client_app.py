@@ -7,6 +7,9 @@ Messages (built by :mod:`lightning_fedmeta.flower.server`; records in :mod:`~lig
 * ``train``: restore the client's state (the file of round ``state-round``, or the initial state), run the
   algorithm's ``client_update`` for the round and reply with ``delta``, ``state``, ``extras`` (``ArrayRecord``)
   and ``metrics`` (``MetricRecord`` with ``num-examples``); the new state is written to the state file first.
+  With BatchNorm the reply's ``statistics`` record holds the client's running statistics after the round (the
+  server forms the model's from them, as the engine does); the node keeps its own in its state file and starts
+  from them once it was aggregated (before that, from the model's, sent as ``statistics``).
   Under ``model.compression`` the ``delta`` record holds the compressed upload
   (:func:`~lightning_fedmeta.flower.compressed.client_upload`: fewer bytes on the wire), top-k's residual is
   kept in the node's state file next to the algorithm's state, and a 16-bit ``params`` record is cast back.
@@ -26,7 +29,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lightning_fedmeta.flower.client import LocalClient, client_for, data_spec_of, node_setting, population_view
+from lightning_fedmeta.flower.client import (
+    STATISTICS,
+    LocalClient,
+    client_for,
+    data_spec_of,
+    node_setting,
+    population_view,
+)
 from lightning_fedmeta.flower.compressed import RESIDUAL, client_upload
 from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
 from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
@@ -44,8 +54,9 @@ def _state_file(client: LocalClient, context: Context, config: ConfigRecord) -> 
 
 
 def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, ...]:
-    """The round's inputs: config, global parameters, server state, this client's state and record, and the
-    padding width of full-batch plans (the largest client's training set)."""
+    """The round's inputs: config, global parameters, server state, this client's state and record, the padding
+    width of full-batch plans (the largest client's training set), its state file and the BatchNorm statistics it
+    starts from (its own once aggregated, else the model's; ``{}`` without BatchNorm)."""
     content = msg.content
     config = content.config_records["config"]
     params = record_to_tree(content.array_records["params"])
@@ -60,13 +71,17 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     client.bind(population, label_counts)
     state_round = int(config["state-round"])
     files = _state_file(client, context, config)
+    statistics: dict[str, Any] = {}
     if state_round < 0:  # never aggregated: the algorithm's initial state (from the initial global model)
         state = client.initial_state(record_to_tree(content.array_records["init-params"]), population)
     else:
         state = files.load(state_round)
+        statistics = state.pop(STATISTICS, {})
+    if not statistics and "statistics" in content.array_records:  # not trained yet: the published statistics
+        statistics = record_to_tree(content.array_records["statistics"])
     state.pop(RESIDUAL, None)  # the top-k residual (read by _residual), not the algorithm's state
     width = largest
-    return config, params, server_state, state, record, width, files
+    return config, params, server_state, state, record, width, files, statistics
 
 
 @app.query()
@@ -109,11 +124,11 @@ def _delta_record(client: LocalClient, delta: dict[str, Any], config: ConfigReco
 def handle_train(msg: Message, context: Context) -> Message:
     """One round of the algorithm's ``client_update``; the new state is saved before the reply."""
     client = client_for(context.node_config, context.run_config)
-    config, params, server_state, state, record, width, files = _inputs(client, msg, context)
+    config, params, server_state, state, record, width, files, statistics = _inputs(client, msg, context)
     round_idx = int(config["round"])
-    out = client.train(round_idx, params, server_state, state, record, width)
+    out, statistics = client.train(round_idx, params, server_state, state, record, width, statistics)
     delta_record, kept = _delta_record(client, out.delta, config, files)
-    files.save(round_idx, {**out.state, **kept})
+    files.save(round_idx, {**out.state, **kept, **({STATISTICS: statistics} if statistics else {})})
     files.prune({int(config["state-round"]), round_idx})
     upload_state = bool(node_setting(context.node_config, context.run_config, "upload-client-state", True))
     state_out = out.state if upload_state else map_state(torch.zeros_like, out.state)
@@ -126,6 +141,8 @@ def handle_train(msg: Message, context: Context) -> Message:
         "metrics": MetricRecord(metrics),
         "reply": ConfigRecord({"partition-id": client.partition_id, "round": round_idx}),
     })
+    if statistics:
+        reply["statistics"] = tree_to_record(statistics)
     return Message(reply, reply_to=msg)
 
 
@@ -133,8 +150,8 @@ def handle_train(msg: Message, context: Context) -> Message:
 def handle_evaluate(msg: Message, context: Context) -> Message:
     """The personalised evaluation's sums on the node's test set."""
     client = client_for(context.node_config, context.run_config)
-    config, params, server_state, state, record, width, _ = _inputs(client, msg, context)
-    sums = client.evaluate(int(config["round"]), params, server_state, state, record, width)
+    config, params, server_state, state, record, width, _, statistics = _inputs(client, msg, context)
+    sums = client.evaluate(int(config["round"]), params, server_state, state, record, width, statistics)
     sums["num-examples"] = int(sums["total"])
     reply = RecordDict({
         "metrics": MetricRecord(sums),

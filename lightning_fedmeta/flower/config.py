@@ -91,6 +91,9 @@ class DeploymentConfig:
     server_optimizer_spec: Any = None
     data_options: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 10
+    #: ``m``, resolved as ``FederatedModule`` resolves it (:func:`~lightning_fedmeta.options.check_options`: its
+    #: default when neither ``clients_per_round`` nor ``fraction`` is set; ``None`` with ``fraction``)
+    clients_per_round: int | None = None
 
     # -- the pieces ---------------------------------------------------------------------------
     def algorithm(self) -> Algorithm:
@@ -215,15 +218,16 @@ def load_config(path: str | Path) -> DeploymentConfig:
         data_options=data,
         eval_every=int(data.get("eval_every", 10)),
     )
-    check_module_options(cfg, model)
+    cfg.clients_per_round = check_module_options(cfg, model)
     return cfg
 
 
-def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> None:
+def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> int | None:
     """Run the checks ``FederatedModule.__init__`` runs on the same options, with the same messages
     (:func:`~lightning_fedmeta.options.check_options`, :func:`~lightning_fedmeta.options.check_server_optimizer`,
     the metrics and the reliability options), so a config the simulator refuses is refused here too, before any
-    node is contacted (``clients_per_round: 0`` or ``-2`` would otherwise run)."""
+    node is contacted (``clients_per_round: 0`` or ``-2`` would otherwise run). Returns ``clients_per_round`` as
+    the module resolves it (its default when neither it nor ``fraction`` is set)."""
     from lightning_fedmeta.metrics import ClientMetrics
     from lightning_fedmeta.options import check_options, check_server_optimizer
     from lightning_fedmeta.reliability import Reliability
@@ -231,7 +235,7 @@ def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> None:
     server_lr = model.get("server_lr", 1.0)
     if isinstance(server_lr, bool) or not isinstance(server_lr, int | float):
         raise ValueError(f"server_lr must be a finite number >= 0, got {server_lr!r}")
-    check_options(
+    clients_per_round = check_options(
         clients_per_round=model.get("clients_per_round"), fraction=model.get("fraction"),
         aggregation=model.get("aggregation", "samples"), server_lr=server_lr, factories={},
         client_batching=model.get("client_batching", "auto"), client_chunk_size=model.get("client_chunk_size", "auto"),
@@ -247,3 +251,4 @@ def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> None:
     check_server_optimizer(algorithm, server_lr, cfg.server_optimizer_spec, None)
     Reliability.from_options(aggregator=model.get("aggregator"), dp=model.get("dp"),
                              compression=model.get("compression"))
+    return clients_per_round

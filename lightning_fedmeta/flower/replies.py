@@ -11,7 +11,8 @@ A node is not trusted: whoever runs it controls every byte of its replies. A rep
               (:func:`~lightning_fedmeta.flower.compressed.upload_layout`) with values an honest encoding gives
               (QSGD codes within the levels, norms >= 0, sparse indices distinct), decoded to a finite delta;
               the delta's norm fits in float32; its metrics are exactly the algorithm's, finite and within
-              float32, and num-examples is the partition's known size
+              float32, and num-examples is the partition's known size; with BatchNorm, its running statistics
+              have exactly the model's keys, shapes and dtypes, are finite, and variances and counters are >= 0
     evaluate  total is the partition's test size, every sum is finite and within what the metric allows (at
               most num-test float32 values: a federation's sum stays finite)
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,8 +34,8 @@ from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
 from lightning_fedmeta.compression import Compressor
 from lightning_fedmeta.state import flatten_state, unflatten_state
 
-__all__ = ["RejectedReply", "ReplySpec", "check_eval_reply", "check_query_reply", "check_train_reply",
-           "honest_output"]
+__all__ = ["RejectedReply", "ReplySpec", "check_eval_reply", "check_query_reply", "check_statistics_reply",
+           "check_train_reply", "honest_output"]
 
 #: a flattened tree's keys with their shapes and dtypes
 TreeSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -62,10 +63,12 @@ class ReplySpec:
     state: TreeSpec
     extras: TreeSpec
     metrics: frozenset[str]
+    statistics: TreeSpec = field(default_factory=dict)  # the BatchNorm running statistics ({} without BatchNorm)
 
     @classmethod
-    def of(cls, out: ClientOutput) -> ReplySpec:
-        return cls(tree_spec(out.delta), tree_spec(out.state), tree_spec(out.extras), frozenset(out.metrics))
+    def of(cls, out: ClientOutput, statistics: Mapping[str, Tensor] | None = None) -> ReplySpec:
+        return cls(tree_spec(out.delta), tree_spec(out.state), tree_spec(out.extras), frozenset(out.metrics),
+                   tree_spec(statistics or {}))
 
 
 def _tree(content: RecordDict, name: str, spec: TreeSpec) -> dict[str, Any]:
@@ -155,6 +158,21 @@ def check_train_reply(content: RecordDict, spec: ReplySpec, num_samples: int,
                         {k: torch.tensor(v, dtype=torch.float32) for k, v in metrics.items() if k != "num-examples"})
 
 
+def check_statistics_reply(content: RecordDict, spec: ReplySpec) -> dict[str, Tensor]:
+    """The client's BatchNorm running statistics after its round (record ``statistics``; ``{}`` when the model
+    has none), or :class:`RejectedReply`: exactly the model's buffers (keys, shapes, dtypes), finite, and every
+    ``running_var`` and ``num_batches_tracked`` ``>= 0`` (an honest client's statistics)."""
+    if not spec.statistics:
+        if "statistics" in content.array_records:
+            raise RejectedReply("the reply has a 'statistics' record, but the model has no BatchNorm statistics")
+        return {}
+    flat = flatten_state(_tree(content, "statistics", spec.statistics))
+    for key, value in flat.items():
+        if (key.endswith("running_var") or key.endswith("num_batches_tracked")) and bool((value < 0).any()):
+            raise RejectedReply(f"statistics/{key} has negative values")
+    return flat
+
+
 def check_eval_reply(content: RecordDict, metric_names: Mapping[str, str], num_test: int) -> dict[str, float]:
     """The evaluation sums (``total``, ``loss_sum``, ``<key>_sum`` for each configured built-in metric), or
     :class:`RejectedReply`: ``total`` must be the partition's test size, accuracy sums in ``[0, total]``,
@@ -228,10 +246,12 @@ def _label_counts(content: RecordDict) -> Tensor:
 
 
 def honest_output(cfg: Any, info: Mapping[str, Any], records: ClientRecord, label_counts: Tensor,
-                  init_params: dict[str, Tensor], server_state: dict[str, Any]) -> ClientOutput:
-    """What an honest client of this federation returns: the algorithm's ``client_update`` for the largest
-    partition, run once on inputs of zeros with that partition's shapes (only the output's structure is used:
-    keys, shapes, dtypes, metric names). Global random state is left as it was."""
+                  init_params: dict[str, Tensor], server_state: dict[str, Any],
+                  statistics: Mapping[str, Tensor] | None = None) -> tuple[ClientOutput, dict[str, Tensor]]:
+    """What an honest client of this federation returns, and its BatchNorm statistics (``{}`` without them): the
+    algorithm's ``client_update`` for the largest partition, run once on inputs of zeros with that partition's
+    shapes from the model's ``statistics`` (only the output's structure is used: keys, shapes, dtypes, metric
+    names). Global random state is left as it was."""
     from lightning_fedmeta.data.federated import from_client_tensors
     from lightning_fedmeta.flower.client import LocalClient
 
@@ -246,4 +266,5 @@ def honest_output(cfg: Any, info: Mapping[str, Any], records: ClientRecord, labe
         client = LocalClient(cfg, from_client_tensors([(x, y, x[:1], y[:1])], classes, task=task), pid)
         client.bind(records, label_counts)
         state = client.initial_state(init_params, records)
-        return client.train(0, init_params, server_state, state, ClientRecord(*(t[pid] for t in records)), n)
+        return client.train(0, init_params, server_state, state, ClientRecord(*(t[pid] for t in records)), n,
+                            dict(statistics or {}))

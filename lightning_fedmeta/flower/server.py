@@ -9,12 +9,17 @@ Round ``r`` (the in-process ``FederatedModule.training_step``, docs/design.md co
     A       = the clients whose reply arrived without error; a node found unavailable (restarted) gets the
               message again, on its new node id, up to max-retries times; other failures are logged and dropped
     p_A     = the aggregation weights renormalised over A (as under client_dropout, participation.py)
-    Δ, σ'   = algorithm.aggregate(w, stacked outputs of A, p_A, σ, record[A])
-    w      <- server optimizer step with p.grad = −Δ                SGD(lr=server_lr): w + βΔ; or model.server_optimizer
-    seen[A] <- True; state-round[A] <- r; σ <- σ'; checkpoint (atomic) so a restarted ServerApp resumes at r + 1
+    result  = RoundResult(r, A, stacked outputs of A, p_A, steps, BN statistics of A)
+    RoundEngine.serve(result): server pipeline (DP, robust rule or algorithm.aggregate) → server optimizer step →
+              commit (σ <- σ', seen[A] <- True, the model's BN statistics as the simulation forms them)
+    state-round[A] <- r; checkpoint (atomic) so a restarted ServerApp resumes at r + 1
 
-A round nobody answers changes nothing and still counts. The personalised evaluation (every ``eval_every``
-rounds and after the last) sends evaluate messages to every client and reports Σ sums / Σ test samples.
+The server half is the simulation's own (:class:`~lightning_fedmeta.loop.engine.RoundEngine`, set up by
+:meth:`~lightning_fedmeta.loop.engine.RoundEngine.bind_population` from the partitions' sizes and histograms), with
+``nonfinite = "drop"``: a node's non-finite reply is rejected (replies.py) and a non-finite aggregate skips the
+round, so an untrusted node never stops the run. A round nobody answers changes nothing and still counts (under
+``model.dp`` it releases the noise). The personalised evaluation (every ``eval_every`` rounds and after the last)
+sends evaluate messages to every client and reports Σ sums / Σ test samples.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, weighted_mean_metrics
+from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
 from lightning_fedmeta.atomic_io import atomic_write
-from lightning_fedmeta.communication import TrafficCounter, payload_bytes, sent_model, upload_bytes
+from lightning_fedmeta.communication import TrafficCounter, sent_model
 from lightning_fedmeta.compression import check_composition
-from lightning_fedmeta.dp_draws import SecretDraws
+from lightning_fedmeta.dp_draws import KEY_BYTES, DPDraws
 from lightning_fedmeta.evaluation.fairness import flat_spread, summaries_with_spread
 from lightning_fedmeta.flower.compressed import wire_bytes
 from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
@@ -49,14 +54,16 @@ from lightning_fedmeta.flower.replies import (
     ReplySpec,
     check_eval_reply,
     check_query_reply,
+    check_statistics_reply,
     check_train_reply,
     honest_output,
 )
 from lightning_fedmeta.flower.state_file import atomic_torch_save as atomic_save
 from lightning_fedmeta.functional import Params
+from lightning_fedmeta.loop.engine import RoundEngine
 from lightning_fedmeta.loop.federation import Federation
-from lightning_fedmeta.loop.server import ServerPipeline, apply_server_step, check_update_finite, noise_only_uploads
-from lightning_fedmeta.loop.stages import ServerContext, Uploads
+from lightning_fedmeta.loop.round import RoundResult
+from lightning_fedmeta.loop.server import ServerPipeline
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
 from lightning_fedmeta.privacy import hides_cohort_size
 from lightning_fedmeta.privacy_budget import PrivacyBudget
@@ -68,8 +75,9 @@ __all__ = ["DeploymentServer", "GridLike", "NODE_UNAVAILABLE", "RETRYABLE"]
 
 #: Flower's error code of a reply the SuperLink writes when the destination node stopped sending heartbeats
 NODE_UNAVAILABLE = 5
-#: the keys of a round's log entry that name or count its cohort (kept out of what is published under secure_mode)
-COHORT_KEYS = ("sampled", "answered", "rejected_replies")
+#: the keys of a round's log entry that name or count its cohort (kept out of what is published under secure_mode;
+#: a skipped round's reason may count the clients that answered)
+COHORT_KEYS = ("sampled", "answered", "rejected_replies", "skipped")
 
 #: error codes after which a message is sent again (to the partition's node, possibly a new one): the message or
 #: its reply was lost (3, 4), the node went away (5), the ClientApp process died with its node (8). A ClientApp
@@ -158,7 +166,7 @@ class DeploymentServer:
         self.failures: list[dict[str, Any]] = []
         self.round = 0
         self.compression = cfg.compression()  # model.compression: the nodes compress, the server decodes
-        self.traffic = TrafficCounter()  # the counted bytes, cumulative (docs/communication.md, "On Flower")
+        self.engine: RoundEngine | None = None  # the simulation's server half (setup)
         self.wire = {"up": 0, "down": 0}  # the round's serialised train messages and replies
         #: under model.dp.secure_mode the cohorts are secret: no file or log line the server publishes names them
         self.secret_cohorts = False
@@ -293,30 +301,30 @@ class DeploymentServer:
         self.init_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         self.optimizer = cfg.server_optimizer(list(self.model.parameters()))
         options = cfg.module_options
-        self.seed = cfg.seed
         self.counts = torch.tensor([int(self.info[p]["num-train"]) for p in range(k)], dtype=torch.long)
         self.label_counts = torch.stack([self.info[p]["label_counts"] for p in range(k)])
         # the in-process module's federation and server pipeline (participation is real here: nothing simulated)
         reliability = Reliability.from_options(aggregator=options.get("aggregator"), dp=deployed_dp(options.get("dp")))
-        self.federation = Federation(self.seed, options.get("clients_per_round", 10) if options.get("fraction")
-                                     is None else None, options.get("fraction"), options.get("holdout_clients", 0),
-                                     options.get("aggregation", "samples"), reliability)
-        self.federation.bind(self.counts, self.algorithm, str(spec["task"]))
-        self.pipeline = ServerPipeline.from_reliability(reliability)
+        engine = self.engine = RoundEngine.from_options(
+            self.algorithm, reliability, seed=cfg.seed, clients_per_round=cfg.clients_per_round,
+            fraction=options.get("fraction"), holdout_clients=options.get("holdout_clients", 0),
+            aggregation=options.get("aggregation", "samples"))
+        # the nodes keep their state (state_file.py) and compress their uploads; a non-finite reply or aggregate
+        # never stops the run (module docstring); m̂ is the answer rate observed so far
+        engine.serve_remote_clients(self.compression, self.expected_answers)
         if self.compression is not None:
             check_composition(self.compression, algorithm_name=self.algorithm.name or type(self.algorithm).__name__,
                               uploads_delta=uploads_delta(self.algorithm), aggregator=reliability.aggregator.name)
         self.dp_clip = math.inf if reliability.dp is None else float(reliability.dp.clip)
-        # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds
-        self.draws = SecretDraws() if reliability.dp is not None and reliability.dp.secure_mode else None
-        self.federation.cohort_draws = self.draws
-        self.secret_cohorts = self.draws is not None
-        self.traffic.hidden = hides_cohort_size(reliability.dp)  # Poisson cohort sizes: no byte counts published
+        # secure_mode (on by default in a deployment): noise and cohorts from a key no file holds; Poisson cohort
+        # sizes: no byte counts published
+        secure = reliability.dp is not None and reliability.dp.secure_mode
+        engine.start_releases(0, os.urandom(KEY_BYTES) if secure else None, hides_cohort_size(reliability.dp))
+        self.secret_cohorts = engine.draws is not None
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
-        self.algorithm.bind_clients(self.records(torch.arange(k)), self.label_counts)
-        self.server_state = self.algorithm.init_server_state(self.params())
-        self.reply_spec = ReplySpec.of(honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
-                                                     self.init_params, self.server_state))
+        engine.bind_population(self.counts, self.label_counts, self.model, str(spec["task"]))
+        self.reply_spec = ReplySpec.of(*honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
+                                                      self.init_params, self.server_state, self.statistics()))
         self.round = 0
         if self.checkpoint and os.path.isfile(self.checkpoint):
             self.load(self.checkpoint)
@@ -330,6 +338,40 @@ class DeploymentServer:
                      "this log name no round's cohort (its clients, nor which of them replied or failed)"
                      + (f" (a resume needs {self._private_path()}, which holds them: never publish it)"
                         if self.checkpoint else ""))
+
+    # the engine's parts, by the names the server always had
+    @property
+    def federation(self) -> Federation:
+        assert self.engine is not None, "setup() has not run"
+        return self.engine.federation
+
+    @property
+    def pipeline(self) -> ServerPipeline:
+        assert self.engine is not None, "setup() has not run"
+        return self.engine.pipeline
+
+    @property
+    def traffic(self) -> TrafficCounter:
+        assert self.engine is not None, "setup() has not run"
+        return self.engine.traffic
+
+    @property
+    def draws(self) -> DPDraws | None:
+        return None if self.engine is None else self.engine.draws
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.seed
+
+    @property
+    def server_state(self) -> dict[str, Any]:
+        assert self.engine is not None, "setup() has not run"
+        return self.engine.server_state
+
+    @server_state.setter
+    def server_state(self, value: dict[str, Any]) -> None:
+        assert self.engine is not None, "setup() has not run"
+        self.engine.server_state = value
 
     @property
     def num_sampled(self) -> int:
@@ -346,6 +388,13 @@ class DeploymentServer:
 
     def params(self) -> Params:
         return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def statistics(self) -> dict[str, Tensor]:
+        """The model's BatchNorm running statistics (``{}`` without them): what a client that never trained
+        starts from, as the engine's :meth:`~lightning_fedmeta.loop.client_state.RunningStatistics.starting`."""
+        assert self.engine is not None
+        own = dict(self.model.named_buffers())
+        return {n: own[n].detach() for n in self.engine.running.names}
 
     def records(self, clients: Tensor) -> ClientRecord:
         """The stacked records of the given clients (the simulator's :class:`Federation` records)."""
@@ -376,6 +425,7 @@ class DeploymentServer:
             "server_state": flatten_state(self.server_state), "dp_clip": self.dp_clip,
             "history": self.published_history(), "failures": self.published_failures(),
             "num_clients": self.num_clients, "counts": self.counts.clone(),
+            "statistics": {k: v.clone() for k, v in self.statistics().items()},
         }
         if not self.traffic.hidden:
             state["traffic"] = self.traffic.state_dict()
@@ -416,6 +466,9 @@ class DeploymentServer:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(saved["params"][name])
+        with torch.no_grad():
+            for name, value in saved.get("statistics", {}).items():
+                dict(self.model.named_buffers())[name].copy_(value)
         self.init_params = saved["init_params"]
         self.optimizer.load_state_dict(saved["optimizer"])
         self.server_state = unflatten_state(saved["server_state"])
@@ -474,6 +527,8 @@ class DeploymentServer:
         })
         if int(self.state_round[pid]) < 0:  # the client starts from the initial state, made from w0
             content["init-params"] = tree_to_record(self.init_params)
+        if self.statistics():  # the published BatchNorm statistics: a client that never trained starts from them
+            content["statistics"] = tree_to_record(self.statistics())
         return content
 
     def exchange(self, kind: str, round_idx: int, partitions: list[int]) -> dict[int, Message]:
@@ -565,81 +620,55 @@ class DeploymentServer:
     def train_round(self, round_idx: int) -> dict[str, Any]:
         """One round (see the module docstring); returns its log entry (``rejected_replies``: replies that failed
         :func:`~lightning_fedmeta.flower.replies.check_train_reply`, each logged with its node and reason)."""
+        assert self.engine is not None
         sampled = self.sampled(round_idx)
         self.wire = {"up": 0, "down": 0}
-        down_one = self.download_bytes(sampled)
-        outputs = self._checked("train", round_idx, self.exchange("train", round_idx, sampled.tolist()))
-        answered = torch.tensor(sorted(outputs), dtype=torch.long)
+        replies = self._checked("train", round_idx, self.exchange("train", round_idx, sampled.tolist()))
+        answered = torch.tensor(sorted(replies), dtype=torch.long)
         entry: dict[str, Any] = {"round": round_idx, "sampled": sampled.tolist(), "answered": answered.tolist(),
-                                 "rejected_replies": len(self.exchanged) - len(outputs)}
-        comm = self.count_traffic(sampled, down_one, [outputs[int(p)] for p in answered])
-        if comm:
-            entry["comm"] = comm
-        if answered.numel() == 0 and self.federation.reliability.dp is not None:
-            noise = noise_only_uploads(self.pipeline, self._server_context(round_idx, answered))
-            self._commit(round_idx, answered, noise, entry)
+                                 "rejected_replies": len(self.exchanged) - len(replies)}
+        result = self.round_result(round_idx, answered, [replies[int(p)] for p in answered])
+        traffic = self.engine.count_traffic(round_idx, result)
+        if not self.traffic.hidden:  # |cohort| × one client's bytes would publish a Poisson cohort's size
+            entry["comm"] = {**self.traffic.logged(traffic), "comm/wire_up_bytes": self.wire["up"],
+                             "comm/wire_down_bytes": self.wire["down"]}
+        dp = self.federation.reliability.dp is not None
+        clip = torch.tensor(self.dp_clip, dtype=torch.float64) if dp else None
+        report = self.engine.serve(round_idx, result, self.optimizer, clip=clip)
+        if clip is not None:
+            self.dp_clip = float(clip)
+        if report.privacy is not None:
+            entry["dp"] = {**report.privacy.logged(), **self._privacy_spent(round_idx + 1)}
+        if report.skipped is not None:
+            entry["skipped"] = report.skipped
+            self._cohort_log("train", f"[fedmeta] round {round_idx}: {report.skipped}; the model is unchanged")
+            return entry
+        if report.clients.numel() == 0:  # a DP round nobody answered: the noise is released
             self.log(f"[fedmeta] round {round_idx}: aggregated" if self.secret_cohorts else
                      f"[fedmeta] round {round_idx}: no sampled client answered; the DP noise is released all the same")
             return entry
-        if answered.numel() == 0:
-            self.log(f"[fedmeta] round {round_idx}: no sampled client answered; the model is unchanged")
-            return entry
-        outs = [outputs[int(p)] for p in answered]
-        out = ClientOutput(*(torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *[o[i] for o in outs])
-                             if outs[0][i] else {} for i in range(4)))
-        weights = self.federation.weights(answered)
-        uploads = self.pipeline.run(Uploads(out, weights), self._server_context(round_idx, answered))
-        if uploads is None or uploads.update is None:
-            self._cohort_log("train", f"[fedmeta] round {round_idx}: {answered.numel()} clients answered, too few "
-                             "for model.aggregator; the model is unchanged")
-            return entry
-        try:
-            check_update_finite(round_idx, uploads.update.delta)
-        except FloatingPointError as exc:  # finite replies whose weighted sum overflows: skip, do not stop
-            entry["skipped"] = str(exc)
-            self.log(f"[fedmeta] {exc}; the model is unchanged")
-            return entry
-        self._commit(round_idx, answered, uploads, entry)
-        metrics = {k: float(v) for k, v in weighted_mean_metrics(out.metrics, weights).items()}
+        self.state_round[report.clients] = round_idx
+        metrics = {k: float(v) for k, v in report.metrics.items()}
         entry["train"] = metrics
         cohort = "" if self.secret_cohorts else f" clients {answered.tolist()} of {sampled.tolist()}"
         self.log(f"[fedmeta] round {round_idx}:{cohort} aggregated; "
                  + ", ".join(f"train/{k} = {v:.5f}" for k, v in metrics.items()))
         return entry
 
-    def download_bytes(self, sampled: Tensor) -> int:
-        """One client's counted download, ``payload_bytes(download(sent_model(w), σ, i))`` (the simulation's
-        count, :func:`~lightning_fedmeta.communication.round_traffic`); 0 without clients."""
-        if sampled.numel() == 0:
-            return 0
-        first = ClientRecord(*(t[0] for t in self.records(sampled[:1])))
-        return int(payload_bytes(self.algorithm.download(sent_model(self.params(), self.compression),
-                                                         self.server_state, first)))
-
-    def count_traffic(self, sampled: Tensor, down_one: int, outs: list[ClientOutput]) -> dict[str, int]:
-        """The round's counted bytes as the simulation counts them (every sampled client downloads, every
-        accepted reply uploads :func:`~lightning_fedmeta.communication.upload_bytes` of its output), the
-        cumulative sums, and ``comm/wire_*``: the serialised train messages and replies actually exchanged."""
-        if self.traffic.hidden:  # |cohort| × one client's bytes would publish a Poisson cohort's size
-            return {}
-        compressor = None if self.compression is None else self.compression.upload
-        up = sum(upload_bytes(self.algorithm.upload(out), None, compressor) for out in outs)
-        down = int(sampled.numel()) * down_one
-        self.traffic.up, self.traffic.down = self.traffic.up + up, self.traffic.down + down
-        return {"comm/up_bytes": up, "comm/down_bytes": down, **self.traffic.cumulative(),
-                "comm/wire_up_bytes": self.wire["up"], "comm/wire_down_bytes": self.wire["down"]}
-
-    def _commit(self, round_idx: int, answered: Tensor, uploads: Uploads, entry: dict[str, Any]) -> None:
-        """The server step and the round's bookkeeping (seen, state rounds, DP clip)."""
-        assert uploads.update is not None
-        apply_server_step(self.optimizer, self.model, uploads.update.delta)
-        self.server_state = uploads.update.server_state
-        self.federation.mark_seen(answered)
-        self.state_round[answered] = round_idx
-        if uploads.privacy is not None:
-            entry["dp"] = {**uploads.privacy.logged(), **self._privacy_spent(round_idx + 1)}
-            if uploads.privacy.next_clip is not None:
-                self.dp_clip = uploads.privacy.next_clip
+    def round_result(self, round_idx: int, answered: Tensor,
+                     replies: list[tuple[ClientOutput, dict[str, Tensor]]]) -> RoundResult | None:
+        """The engine's :class:`~lightning_fedmeta.loop.round.RoundResult` of the accepted replies (``None``
+        when there is none): their outputs and BN statistics stacked in partition order, the participation
+        weights renormalised over them, their local steps."""
+        assert self.engine is not None
+        if not replies:
+            return None
+        outs = [out for out, _ in replies]
+        out = ClientOutput(*(torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *[o[i] for o in outs])
+                             if outs[0][i] else {} for i in range(4)))
+        buffers = {name: torch.stack([b[name] for _, b in replies]) for name in replies[0][1]}
+        steps = self.engine.round_steps(round_idx, answered, self.algorithm.round_plan())
+        return RoundResult(round_idx, answered, out, self.federation.weights(answered), steps, buffers)
 
     def _privacy_spent(self, rounds: int) -> dict[str, Any]:
         """``epsilon`` after ``rounds`` rounds (the module's accountant, q = m / N, continuing the checkpoint's
@@ -667,26 +696,15 @@ class DeploymentServer:
             try:
                 if kind == "train":
                     assert self.reply_spec is not None
-                    accepted[pid] = check_train_reply(reply.content, self.reply_spec, int(self.counts[pid]),
-                                                      None if self.compression is None else self.compression.upload)
+                    accepted[pid] = (
+                        check_train_reply(reply.content, self.reply_spec, int(self.counts[pid]),
+                                          None if self.compression is None else self.compression.upload),
+                        check_statistics_reply(reply.content, self.reply_spec))
                 else:
                     accepted[pid] = check_eval_reply(reply.content, names, int(self.info[pid]["num-test"]))
             except RejectedReply as exc:
                 self._failed(kind, round_idx, pid, f"reply rejected: {exc}", node=reply.metadata.src_node_id)
         return accepted
-
-    def _server_context(self, round_idx: int, answered: Tensor) -> ServerContext:
-        """What the server stages read (no client is simulated Byzantine in a deployment)."""
-        reliability = self.federation.reliability
-        return ServerContext(
-            algorithm=self.algorithm, params=self.params(), server_state=self.server_state,
-            records=self.records(answered), seed=self.seed, round_idx=round_idx,
-            byzantine=torch.zeros(answered.numel(), dtype=torch.bool),
-            steps=self.federation.round_steps(round_idx, answered, self.algorithm.round_plan().steps),
-            cohort=self.num_sampled, clip=self.dp_clip,
-            assumed_byzantine=reliability.assumed_byzantine(self.num_sampled),
-            draws=self.draws, expected_answers=self.expected_answers(),
-        )
 
     def expected_answers(self) -> float:
         """``m̂`` for adaptive clipping: ``m`` times the fraction of sampled clients that answered in the rounds so

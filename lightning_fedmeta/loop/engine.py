@@ -9,10 +9,20 @@ Round ``r`` as named phases, each a method, values passed from one to the next:
     5. step           apply_server_step(optimizer, model, Δ)                   p.grad = −Δ; optimizer.step()
     6. commit         state[S] ← new state, σ ← σ', seen[S] ← True, BN statistics
 
-:meth:`RoundEngine.run_round` runs all six; the Lightning module (:class:`~lightning_fedmeta.FederatedModule`),
-the testing kit and benchmarks drive it with their optimizer, and the Flower ServerApp runs phases 4–6 on the
-outputs its SuperNodes computed. Devices, logging and checkpoint files belong to the frontend; each part here
-owns its ``state_dict``.
+The round has two halves. The client half (phases 1–3, :meth:`RoundEngine.compute`, built from the functions
+of :mod:`~lightning_fedmeta.loop.clients`) returns the frozen :class:`~lightning_fedmeta.loop.round.RoundResult`;
+the server half (phases 4–6 and the report, :meth:`RoundEngine.serve`) takes one, including the DP round nobody
+answered (noise only) and the skipped round. :meth:`RoundEngine.run_round` composes them; the Lightning module
+(:class:`~lightning_fedmeta.FederatedModule`), the testing kit and benchmarks drive it with their optimizer. The
+Flower ServerApp builds the same engine (:meth:`RoundEngine.bind_population`: no data on the server) and calls
+:meth:`RoundEngine.serve` on the ``RoundResult`` it assembles from its nodes' checked replies; each ClientApp runs
+the client half's functions on its own partition. Devices, logging and checkpoint files belong to the frontend;
+each part here owns its ``state_dict``.
+
+A non-finite client output or aggregate follows :attr:`RoundEngine.nonfinite`, one policy both frontends use:
+``"raise"`` (the simulation's default: ``FloatingPointError`` naming the client, nothing changed) or ``"drop"``
+(a Flower deployment's: a non-finite client fails the round as a rejected reply does, the others are aggregated
+with renormalised weights, and a non-finite aggregate skips the round: an untrusted node must not stop the run).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -31,9 +41,10 @@ from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput
 from lightning_fedmeta.attacks import flip_labels
 from lightning_fedmeta.communication import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
 from lightning_fedmeta.compiled import client_buckets
+from lightning_fedmeta.compression import CompressionSpec
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.dp_draws import DPDraws, SecretDraws
-from lightning_fedmeta.execution import choose_batching, run_clients, training_chunk_size
+from lightning_fedmeta.execution import choose_batching, training_chunk_size
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.loop.client_state import (
     AnyStore,
@@ -42,12 +53,13 @@ from lightning_fedmeta.loop.client_state import (
     build_client_store,
     restore_client_store,
 )
+from lightning_fedmeta.loop.clients import client_step, loop_seeds, run_client_updates
 from lightning_fedmeta.loop.compile_policy import CompilePolicy
 from lightning_fedmeta.loop.compress import CompressionStage
 from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer, regroup
 from lightning_fedmeta.loop.ranks import RankSplit
-from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite
+from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite, finite_clients
 from lightning_fedmeta.loop.schedule import ScheduleMode, StepCost, StepSchedule, measure_step_cost
 from lightning_fedmeta.loop.server import (
     ServerPipeline,
@@ -64,7 +76,8 @@ from lightning_fedmeta.loop.statistics import (
 )
 from lightning_fedmeta.loop.streaming import DeltaSum, streams
 from lightning_fedmeta.participation import mask_missing_steps
-from lightning_fedmeta.sampling import plan_steps, stable_seed
+from lightning_fedmeta.reliability import Reliability
+from lightning_fedmeta.sampling import plan_steps
 from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
 from lightning_fedmeta.validation import (
     validate_aggregate_output,
@@ -72,7 +85,10 @@ from lightning_fedmeta.validation import (
     validate_init_server_state,
 )
 
-__all__ = ["RoundEngine"]
+__all__ = ["NonFinite", "RoundEngine"]
+
+#: what a round does with a non-finite client output or aggregate (module docstring)
+NonFinite = Literal["raise", "drop"]
 
 
 class RoundEngine:
@@ -123,6 +139,27 @@ class RoundEngine:
         #: stream the aggregate of rounds whose rule is the default weighted mean (:mod:`~lightning_fedmeta.loop.
         #: streaming`): each chunk's weighted updates are summed as it is computed (False: every update stacked)
         self.stream_aggregate = True
+        #: a non-finite client output or aggregate: "raise" (simulation) or "drop" (a deployment; module docstring)
+        self.nonfinite: NonFinite = "raise"
+        #: whether the engine keeps every client's state rows (False on a Flower server: the nodes keep their own)
+        self.holds_client_state = True
+        #: the compression the clients apply themselves (a deployment's nodes), counted as the simulated one is
+        self.upload_compression: CompressionSpec | None = None
+        #: ``m̂`` for adaptive clipping when the frontend observes participation (a deployment: its answer rate so
+        #: far); ``None``: :meth:`Federation.expected_answers <lightning_fedmeta.loop.federation.Federation.
+        #: expected_answers>`
+        self.answer_rate: Callable[[], float] | None = None
+
+    @classmethod
+    def from_options(cls, algorithm: Algorithm, reliability: Reliability, *, seed: int, clients_per_round: int | None,
+                     fraction: float | None = None, holdout_clients: int | float = 0, aggregation: str = "samples",
+                     **options: Any) -> RoundEngine:
+        """The engine of the ``model.*`` options as ``FederatedModule`` reads them (``clients_per_round`` already
+        resolved by :func:`~lightning_fedmeta.options.check_options`, which gives its default): the federation
+        (:class:`~lightning_fedmeta.loop.federation.Federation`) and the server pipeline of ``reliability``;
+        ``options`` are the constructor's execution options (batching, compile policy, store, schedule)."""
+        federation = Federation(seed, clients_per_round, fraction, holdout_clients, aggregation, reliability)
+        return cls(algorithm, federation, **options)
 
     @property
     def seed(self) -> int:
@@ -132,23 +169,35 @@ class RoundEngine:
     # setup
     # ------------------------------------------------------------------------------------------
     def bind(self, data: FederatedData, model: nn.Module, per_sample_loss: Any, task: str) -> str:
-        """Bind the data and model: population, running statistics, batching, client and server state, context.
-        Returns why the clients run looped or batched."""
-        self.data, self.model, self.per_sample_loss = data, model, per_sample_loss
-        k = data.num_clients
-        self.algorithm.check_epoch_plans()
-        self.federation.bind(data.train_counts, self.algorithm, task)
-        self.running.prepare(model, k)
+        """Bind the data and model: the population (:meth:`bind_population`), batching, the gatherer and the
+        clients' context. Returns why the clients run looped or batched."""
+        self.data, self.per_sample_loss = data, per_sample_loss
+        self.bind_population(data.train_counts, data.label_counts, model, task)
         self.batching, reason = choose_batching(model, self.client_batching)
         if self.batching == "vmap" and not type(self.algorithm).batchable:
             name = type(self.algorithm).__name__
             if self.client_batching == "vmap":
                 raise ValueError(f"client_batching='vmap' is impossible: {name} is not batchable")
             self.batching, reason = "loop", f"{name} runs its clients looped (batchable=False)"
+        self.gatherer = BatchGatherer(data, self.seed, self.device)
+        self.ctx = self.make_context()
+        return reason
+
+    def bind_population(self, train_counts: Tensor, label_counts: Tensor, model: nn.Module, task: str) -> None:
+        """The setup every frontend shares, from the clients' sizes ``n_i`` and label histograms alone (a Flower
+        server has no data): the federation (hold-outs, ``m``, ``p_i``), the model's BatchNorm statistics per
+        client, ``algorithm.bind_clients`` with every client's record, the client state rows (unless
+        :attr:`holds_client_state` is off), the compression residuals and the initial server state (each kept
+        when a loaded checkpoint already filled it)."""
+        self.model = model
+        k = int(train_counts.numel())
+        self.algorithm.check_epoch_plans()
+        self.federation.bind(train_counts, self.algorithm, task)
+        self.running.prepare(model, k)
         params = self.global_params()
         everyone = self.records(torch.arange(k), device=torch.device("cpu"))
-        self.algorithm.bind_clients(everyone, data.label_counts.cpu())
-        if not self.client_states.tensors:
+        self.algorithm.bind_clients(everyone, label_counts.cpu())
+        if self.holds_client_state and not self.client_states.tensors:
             self.client_states = build_client_store(self.algorithm, params, everyone, self.store)
         self.compression.bind(params, k, self.store)
         if not self.server_state:
@@ -156,9 +205,6 @@ class RoundEngine:
             validate_init_server_state(self.algorithm, server_state)
             self.server_state = server_state
         self.validated = set()
-        self.gatherer = BatchGatherer(data, self.seed, self.device)
-        self.ctx = self.make_context()
-        return reason
 
     @property
     def training_chunk(self) -> int | None:
@@ -215,6 +261,24 @@ class RoundEngine:
             raise TypeError(f"use_pipeline needs a ServerPipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
 
+    def use_nonfinite(self, policy: NonFinite) -> None:
+        """What a round does with a non-finite client output or aggregate (:attr:`nonfinite`, the module
+        docstring): ``"raise"`` or ``"drop"``."""
+        if policy not in ("raise", "drop"):
+            raise ValueError(f"the non-finite policy is 'raise' or 'drop', got {policy!r}")
+        self.nonfinite = policy
+
+    def serve_remote_clients(self, upload_compression: CompressionSpec | None,
+                             answer_rate: Callable[[], float]) -> None:
+        """The engine of a frontend whose clients run elsewhere and are not trusted (a Flower deployment's nodes;
+        call before :meth:`bind_population`): no client state rows here (the nodes keep theirs), the ``"drop"``
+        policy for non-finite outputs and aggregates, the bytes of the compression the nodes apply counted as
+        simulated, and adaptive clipping's ``m̂`` from the answer rate the frontend observes."""
+        self.holds_client_state = False
+        self.use_nonfinite("drop")
+        self.upload_compression = upload_compression
+        self.answer_rate = answer_rate
+
     def start_releases(self, offset: int, key: bytes | None, hide_cohort_size: bool) -> None:
         """The start of a fit under ``model.dp``: round ``r``'s DP draws use the release index ``offset + r``, from
         the secret ``key`` (``None``: from the seed); ``hide_cohort_size`` keeps byte counts, which would reveal a
@@ -250,9 +314,7 @@ class RoundEngine:
 
     def loop_seeds(self, tag: str, round_idx: int, clients: Tensor) -> list[int] | None:
         """Per-client seeds of the global RNG for looped clients (dropout); the batched path draws nothing."""
-        if self.batching != "loop":
-            return None
-        return [stable_seed(self.seed, tag, round_idx, int(c)) for c in clients]
+        return loop_seeds(self.seed, self.batching, tag, round_idx, clients)
 
     def starting_buffers(self, clients: Tensor) -> dict[str, Tensor]:
         """The BatchNorm statistics each listed client starts from (its own once it trained)."""
@@ -264,10 +326,9 @@ class RoundEngine:
     # ------------------------------------------------------------------------------------------
     def _client_fn(self, params: Params, server_state: dict[str, Tensor], batches: Batch, state: dict[str, Tensor],
                    record: ClientRecord, buffers: dict[str, Tensor]) -> tuple[ClientOutput, dict[str, Tensor]]:
-        """One client's local procedure, and its running statistics after it (``{}`` without BatchNorm)."""
-        ctx = self.ctx.for_client(buffers) if buffers else self.ctx
-        out = self.algorithm.client_update(ctx, params, batches, state, server_state, record)
-        return out, ctx.updated_buffers()
+        """One client's local procedure, and its running statistics after it (:func:`~lightning_fedmeta.loop.
+        clients.client_step`)."""
+        return client_step(self.algorithm, self.ctx, params, server_state, batches, state, record, buffers)
 
     def _poison_labels(self, batches: Batch, local: Tensor) -> None:
         """Data poisoning (``byzantine.attack = label_flip``): the Byzantine clients' labels flipped in place."""
@@ -353,14 +414,14 @@ class RoundEngine:
     def streams_round(self) -> bool:
         """Whether :meth:`run_round` streams the aggregate (:attr:`stream_aggregate` and
         :func:`~lightning_fedmeta.loop.streaming.streams`)."""
-        return self.stream_aggregate and streams(self.algorithm, self.pipeline, self.compression, self.ranks)
+        return self.stream_aggregate and self.nonfinite == "raise" and streams(
+            self.algorithm, self.pipeline, self.compression, self.ranks)
 
     def round_steps(self, round_idx: int, clients: Tensor, plan: BatchPlan) -> Tensor:
         """``s_c``, the local steps each listed client takes this round: ``E·⌈n_c/B⌉`` under ``local_epochs``
         (:func:`~lightning_fedmeta.sampling.plan_steps`), else its budget (``local_steps_dist``) or the plan's."""
         if plan.epochs is not None:
-            assert self.data is not None
-            counts = self.data.train_counts.cpu()[clients.cpu()]
+            counts = self.federation.counts[clients.cpu()]
             return plan_steps(counts, plan)
         return self.federation.round_steps(round_idx, clients, plan.steps)
 
@@ -376,12 +437,10 @@ class RoundEngine:
         self._poison_labels(batches, clients)
         states = self.client_states.gather(clients)
         seeds = self.loop_seeds("dropout", round_idx, clients)
-        return run_clients(
-            self._client_fn, (self.compression.download(self.global_params()), self.server_state),
+        return run_client_updates(
+            self.algorithm, self.ctx, (self.compression.download(self.global_params()), self.server_state),
             (batches, states, self.records(clients), self.starting_buffers(clients)),
-            clients.numel(), self.batching, self.training_chunk, seeds,
-            label=f"{type(self.algorithm).__name__}.client_update",
-            reduce=None if reduce is None else (lambda pair, chunk: (reduce(pair[0], chunk), pair[1])),
+            clients.numel(), self.batching, self.training_chunk, seeds, reduce,
         )
 
     def use_secret(self, key: bytes | None) -> None:
@@ -399,7 +458,8 @@ class RoundEngine:
             cohort=self.federation.num_sampled, clip=clip,
             assumed_byzantine=self.reliability.assumed_byzantine(self.federation.num_sampled),
             draws=self.draws, release_idx=self.federation.round_offset + round_idx,
-            expected_answers=self.federation.expected_answers() if self.reliability.dp is not None else None,
+            expected_answers=None if self.reliability.dp is None else
+            self.answer_rate() if self.answer_rate is not None else self.federation.expected_answers(),
         )
 
     def combine(self, result: RoundResult, clip: float = math.inf) -> Uploads | None:
@@ -427,7 +487,8 @@ class RoundEngine:
         when the server pipeline formed them (DP, robust rules), or stay as they are (``model.dp.batchnorm:
         local``)."""
         assert self.model is not None
-        self.client_states.scatter(result.clients, result.output.state)
+        if self.holds_client_state:
+            self.client_states.scatter(result.clients, result.output.state)
         self.compression.commit(result.clients, result.residual)
         self.server_state = server_state
         if result.buffers:
@@ -451,48 +512,108 @@ class RoundEngine:
 
     def run_round(self, round_idx: int, optimizer: Any, *, clip: Tensor | None = None,
                   rounds_left: int | None = None, broadcast: Callable[[Any], Any] | None = None) -> RoundReport:
-        """The whole round: compute → combine → step → commit. ``clip`` is the DP clipping norm (a tensor the
+        """The whole round: the client half (:meth:`compute`, its outputs checked by :meth:`finite_result`), the
+        traffic count, then the server half (:meth:`serve`). ``clip`` is the DP clipping norm (a tensor the
         adaptive rule updates in place); ``rounds_left`` and ``broadcast`` serve ``compile_clients="auto"``."""
         assert self.model is not None and self.data is not None
         self._broadcast = broadcast
         deciding = self.compile.deciding(self.batching)
         started = time.perf_counter()
         result = self.compute(round_idx, stream=self.streams_round())
-        traffic = self.count_traffic(round_idx, result)
-        if result is None and self.reliability.dp is not None:
-            return replace(self._noise_only(round_idx, optimizer, clip), traffic=traffic)
-        if result is None:
-            return replace(self._skip(round_idx, optimizer, "no sampled client answered (client_dropout)"),
-                           traffic=traffic)
-        if deciding:
+        if result is not None and deciding:
             self.compile.observe(rounds_left, time.perf_counter() - started, broadcast, self._round_programs)
-        if not result.delta_summed:  # a streamed round checked each chunk before summing it
+        if result is not None and not result.delta_summed:  # a streamed round checked each chunk before summing it
+            result = self.finite_result(result)
+        traffic = self.count_traffic(round_idx, result)
+        report = replace(self.serve(round_idx, result, optimizer, clip=clip), traffic=traffic)
+        if report.skipped is not None:
+            rank_zero_info(f"[lightning_fedmeta] round {round_idx}: {report.skipped}; the model is unchanged")
+        elif report.clients.numel() == 0:
+            rank_zero_info(f"[lightning_fedmeta] round {round_idx}: no sampled client answered; the DP noise is "
+                           "released all the same")
+        return report
+
+    def finite_result(self, result: RoundResult) -> RoundResult | None:
+        """The round's outputs under :attr:`nonfinite`: unchanged when every client's loss, update, extras and state
+        are finite; else ``"raise"``: ``FloatingPointError`` naming the first such client; ``"drop"``: the result
+        without those clients, weights renormalised over the others (``None`` when none is left)."""
+        assert self.data is not None
+        if self.nonfinite == "raise":
             check_outputs_finite(result, self.data.client_names, self.algorithm)
+            return result
+        keep = finite_clients(result)
+        if bool(keep.all()):
+            return result
+        dropped = result.clients[~keep.to(result.clients.device)].tolist()
+        named = "some clients" if self.draws is not None else f"clients {dropped}"  # secure_mode: cohorts secret
+        rank_zero_info(f"[lightning_fedmeta] round {result.round_idx}: {named} produced a non-finite loss or update "
+                       "and are left out of the round (RoundEngine.nonfinite = 'drop')")
+        if not bool(keep.any()):
+            return None
+        kept = self._kept(result, keep)
+        self._last = kept
+        return kept
+
+    def _kept(self, result: RoundResult, keep: Tensor) -> RoundResult:
+        """``result`` restricted to the clients where ``keep`` holds, their weights renormalised."""
+        from torch.utils._pytree import tree_map
+
+        def rows(t: Tensor) -> Tensor:
+            return t[keep.to(t.device)]
+
+        clients = rows(result.clients)
+        return RoundResult(
+            result.round_idx, clients, ClientOutput(*(tree_map(rows, tree) for tree in result.output)),
+            self.federation.weights(clients, result.weights.device), rows(result.steps),
+            {k: rows(v) for k, v in result.buffers.items()},
+            None if result.residual is None else {k: rows(v) for k, v in result.residual.items()},
+        )
+
+    def serve(self, round_idx: int, result: RoundResult | None, optimizer: Any, *,
+              clip: Tensor | None = None) -> RoundReport:
+        """The server half of round ``round_idx`` on the clients' checked outputs (``None``: nobody answered):
+        combine → step → commit → report. A DP round nobody answered still releases its noise
+        (:meth:`_noise_only`); a round nobody answered without DP, one a stage skips (too few clients for a robust
+        rule) and, under ``nonfinite = "drop"``, one whose aggregate is not finite change nothing
+        (:meth:`_skip`; the report says why). ``clip`` is the DP clipping norm, updated in place by adaptive
+        clipping."""
+        assert self.model is not None
+        if result is None and self.reliability.dp is not None:
+            return self._noise_only(round_idx, optimizer, clip)
+        if result is None:
+            return self._skip(optimizer, round_idx, "no sampled client answered")
         uploads = self.combine(result, math.inf if clip is None else float(clip))
         if uploads is None:
             rule, f = self.reliability.aggregator, self.reliability.assumed_byzantine(self.federation.num_sampled)
-            return replace(self._skip(round_idx, optimizer, f"only {result.clients.numel()} clients answered, too "
-                                      f"few for model.aggregator {rule.name!r} with f={f}"), traffic=traffic)
+            return self._skip(optimizer, round_idx, f"only {result.clients.numel()} clients answered, too few for "
+                              f"model.aggregator {rule.name!r} with f={f}")
         assert uploads.update is not None
-        check_update_finite(round_idx, uploads.update.delta)
+        try:
+            check_update_finite(round_idx, uploads.update.delta)
+        except FloatingPointError as exc:
+            if self.nonfinite == "raise":
+                raise
+            return self._skip(optimizer, round_idx, str(exc))
         apply_server_step(optimizer, self.model, uploads.update.delta)
         self.commit(result, uploads.update.server_state, uploads.update.statistics)
         if clip is not None and uploads.privacy is not None and uploads.privacy.next_clip is not None:
             clip.fill_(uploads.privacy.next_clip)  # adaptive clipping: C for the next round
         return RoundReport(round_idx, result.clients, weighted_mean_metrics(result.output.metrics, result.weights),
-                           uploads.privacy, traffic=traffic)
+                           uploads.privacy)
 
     def count_traffic(self, round_idx: int, result: RoundResult | None) -> RoundTraffic:
         """The round's bytes (docs/communication.md), added to the cumulative sums: every candidate of the round
         downloads :meth:`~lightning_fedmeta.algorithms.base.Algorithm.download`; the clients that answered (those
-        in ``result``) upload :meth:`~lightning_fedmeta.algorithms.base.Algorithm.upload`. Call it before the
-        server step (the download is the round's starting model)."""
+        in ``result``) upload :meth:`~lightning_fedmeta.algorithms.base.Algorithm.upload`, compressed as
+        ``model.compression`` asks (:attr:`upload_compression` when the clients compress themselves). Call it
+        before the server step (the download is the round's starting model)."""
         candidates = self.federation.round_candidates(round_idx)
         answered = torch.isin(candidates, result.clients.cpu()) if result is not None else \
             torch.zeros(candidates.numel(), dtype=torch.bool)
         first = ClientRecord(*(t[0] for t in self.records(candidates[:1]))) if candidates.numel() else None
+        spec = self.compression.spec if self.compression.spec is not None else self.upload_compression
         traffic = round_traffic(self.algorithm, self.global_params(), self.server_state, first, candidates, answered,
-                                None if result is None else result.output, self.codec, self.compression.spec)
+                                None if result is None else result.output, self.codec, spec)
         self.traffic.add(traffic)
         return traffic
 
@@ -512,14 +633,11 @@ class RoundEngine:
             publish_statistics(self.model, self.running.names, noised.update.statistics)
         if clip is not None and noised.privacy is not None and noised.privacy.next_clip is not None:
             clip.fill_(noised.privacy.next_clip)
-        rank_zero_info(f"[lightning_fedmeta] round {round_idx}: no sampled client answered; the DP noise is "
-                       "released all the same")
         return RoundReport(round_idx, torch.zeros(0, dtype=torch.long), privacy=noised.privacy)
 
-    def _skip(self, round_idx: int, optimizer: Any, reason: str) -> RoundReport:
+    def _skip(self, optimizer: Any, round_idx: int, reason: str) -> RoundReport:
         """A round that changes nothing (no client marked as trained); the optimizer still steps (no gradients)."""
         assert self.model is not None
-        rank_zero_info(f"[lightning_fedmeta] round {round_idx}: {reason}; the model is unchanged")
         skip_server_step(optimizer, self.model)
         return RoundReport(round_idx, torch.zeros(0, dtype=torch.long), skipped=reason)
 

@@ -58,12 +58,17 @@ class BatchGatherer:
 
     The samples are copied into buffers kept for the next call of the same shape: a fresh tensor of tens of MB
     costs more in page faults than the copy itself (Per-FedAvg HF on W: 20 ms against 4 ms). The batches live for
-    one call (client functions are pure: they return new tensors, never views of their batches)."""
+    one call (client functions are pure: they return new tensors, never views of their batches).
 
-    def __init__(self, data: FederatedData, seed: int, device: torch.device) -> None:
+    ``clients``: the federation's indices of ``data``'s clients when ``data`` holds only some of them (a Flower
+    node: its partition; :func:`~lightning_fedmeta.loop.clients.partition_offsets`), so each draws what the whole
+    federation draws for it; ``None``: ``data`` is the federation."""
+
+    def __init__(self, data: FederatedData, seed: int, device: torch.device, clients: Tensor | None = None) -> None:
         self.data = data
         self.seed = seed
         self.device = device
+        self.clients = clients
         self.train_width = int(data.train_counts.max())
         self.test_width = int(data.test_counts.max())
         self.buffers: dict[str, Tensor] = {}
@@ -78,12 +83,18 @@ class BatchGatherer:
         self.buffers = {}
         self.test_cache = None
 
-    def batches(self, tag: str, round_idx: int, clients: Tensor, plan: Any) -> Batch:
+    def batches(self, tag: str, round_idx: int, clients: Tensor, plan: Any, width: int | None = None) -> Batch:
         """Every mini-batch the clients draw in this call, ``[C, steps, per_step, B, ...]`` (under epochs the step
-        axis is the longest ``s_c`` of these clients, :func:`call_plan`)."""
+        axis is the longest ``s_c`` of these clients, :func:`call_plan`). Full-batch plans pad to ``width``
+        (default: the widest client of ``data``; a node is told the federation's)."""
+        from lightning_fedmeta.loop.clients import partition_offsets
+
         offsets = self.data.train_offsets.cpu()
+        if self.clients is not None:
+            offsets = partition_offsets(offsets, self.clients)
         plan = call_plan(offsets[clients.cpu() + 1] - offsets[clients.cpu()], plan)
-        idx, mask = draw_batch_indices(self.seed, tag, round_idx, clients, offsets, plan, self.train_width)
+        width = self.train_width if width is None else int(width)
+        idx, mask = draw_batch_indices(self.seed, tag, round_idx, clients, offsets, plan, width)
         x = rows(self.data.train_x, idx, self._buffer("x", idx, self.data.train_x))
         y = rows(self.data.train_y, idx, self._buffer("y", idx, self.data.train_y))
         return Batch(x, y, mask.to(self.device))

@@ -16,7 +16,7 @@ from lightning_fedmeta.loop.server import sums_finite
 from lightning_fedmeta.loop.stages import PrivacyReport
 from lightning_fedmeta.state import flatten_state
 
-__all__ = ["RoundReport", "RoundResult", "check_outputs_finite"]
+__all__ = ["RoundReport", "RoundResult", "check_outputs_finite", "finite_clients"]
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,21 @@ class RoundReport:
         return self.metrics.get("loss")
 
 
-def check_outputs_finite(result: RoundResult, client_names: list[str], algorithm: Any) -> None:
-    """Raise ``FloatingPointError`` naming the first client whose loss, update, extras or state is not finite."""
+def finite_clients(result: RoundResult) -> Tensor:
+    """bool ``[n]``: which of the round's clients have a finite loss, update, extras and state (one host sync
+    when all are finite)."""
     out = result.output
     leaves = list(out.delta.values()) + list(out.metrics.values()) + list(flatten_state(out.extras).values())
     leaves += [t for t in flatten_state(out.state).values() if t.is_floating_point()]
-    if sums_finite([t.reshape(t.shape[0], -1).sum(1) for t in leaves]):
-        return
-    ok = torch.stack([torch.isfinite(t.reshape(t.shape[0], -1)).all(1) for t in leaves]).all(0)
+    n = int(result.clients.numel())
+    if not leaves or sums_finite([t.reshape(t.shape[0], -1).sum(1) for t in leaves]):
+        return torch.ones(n, dtype=torch.bool)
+    return torch.stack([torch.isfinite(t.reshape(t.shape[0], -1)).all(1) for t in leaves]).all(0).cpu()
+
+
+def check_outputs_finite(result: RoundResult, client_names: list[str], algorithm: Any) -> None:
+    """Raise ``FloatingPointError`` naming the first client whose loss, update, extras or state is not finite."""
+    ok = finite_clients(result)
     if not bool(ok.all()):
         bad = int(result.clients[(~ok).nonzero()[0, 0]])
         raise FloatingPointError(

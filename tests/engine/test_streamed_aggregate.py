@@ -87,7 +87,7 @@ def test_streamed_rounds_with_local_epochs_in_step_groups_equal_stacked() -> Non
 def test_a_streamed_round_never_holds_more_than_a_chunk_of_updates(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every chunk's outputs leave ``run_clients`` without their updates (the reducer kept only their weighted sum),
     the chunks hold at most ``client_chunk_size`` updates, and the server receives one summed row."""
-    import lightning_fedmeta.loop.engine as engine_module
+    import lightning_fedmeta.loop.clients as clients_module  # the client half's run_clients call
 
     seen: list[int] = []
 
@@ -99,7 +99,7 @@ def test_a_streamed_round_never_holds_more_than_a_chunk_of_updates(monkeypatch: 
             return kept
         return run_clients(*args, reduce=spy, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_clients", spying_run_clients)
+    monkeypatch.setattr(clients_module, "run_clients", spying_run_clients)
     m = _module({"name": "fedavg"}, chunk=2)
     results = []
     original = m.engine.combine

@@ -323,7 +323,7 @@ def test_local_client_draws_the_simulators_batches(tmp_path: Path) -> None:
     c = 3
     client = LocalClient(cfg, load_partition(cfg, c, NUM_CLIENTS), c)
     width = int(dm.federated_data.train_counts.max())
-    mine = client._draw("train", 2, cfg.algorithm().round_plan(), width)
+    mine = client.gatherer.batches("train", 2, torch.tensor([c]), cfg.algorithm().round_plan(), width)
     theirs = module._batches("train", 2, torch.tensor([c]), module.algorithm.round_plan())
     assert torch.equal(mine.x, theirs.x.cpu()) and torch.equal(mine.y, theirs.y.cpu())
     assert torch.equal(mine.mask, theirs.mask.cpu())
