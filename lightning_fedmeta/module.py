@@ -41,7 +41,7 @@ from lightning_fedmeta.evaluation import Evaluator, format_summary
 from lightning_fedmeta.execution import ClientBatching
 from lightning_fedmeta.facade import MODULE_FORWARDS, forward_attributes
 from lightning_fedmeta.frontends.fit_state import FitState
-from lightning_fedmeta.loop import CompilePolicy, Federation, RankSplit, RoundEngine, StoreLocation
+from lightning_fedmeta.loop import CompilePolicy, RankSplit, RoundEngine, StoreLocation
 from lightning_fedmeta.loop.schedule import ScheduleMode
 from lightning_fedmeta.losses import DEFAULT_LOSS, PerSampleLoss, loss_name, resolve_loss
 from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics, MetricSpec
@@ -186,10 +186,11 @@ class FederatedModule(LightningModule):
         self.aggregator, self.byzantine, self.dp = aggregator, byzantine, dp
         self.client_state, self.compression = client_state, compression
         self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
-        federation = Federation(seed, clients_per_round, fraction, holdout_clients, aggregation, self.reliability)
-        self.engine = RoundEngine(built, federation, client_batching, client_chunk_size,
-                                  CompilePolicy(compile_clients, cuda_graphs),
-                                  StoreLocation(client_state, self.client_state_dir), step_schedule)
+        self.engine = RoundEngine.from_options(
+            built, self.reliability, seed=seed, clients_per_round=clients_per_round, fraction=fraction,
+            holdout_clients=holdout_clients, aggregation=aggregation, client_batching=client_batching,
+            client_chunk_size=client_chunk_size, compile_policy=CompilePolicy(compile_clients, cuda_graphs),
+            store=StoreLocation(client_state, self.client_state_dir), step_schedule=step_schedule)
         self.engine.use_model(model)
         self.evaluator = Evaluator(self.engine)
         if self.reliability.dp is not None:  # the clipping norm C (adaptive clipping changes it): checkpointed
