@@ -1,17 +1,10 @@
 """FederatedModule: the federated loop as a LightningModule (one training step = one round).
 
-A thin facade over the Trainer-free round engine (:mod:`lightning_fedmeta.loop`, docs/design.md): Lightning
-owns devices, precision, the optimizer, logging and checkpoints; the engine owns the round
-(participants → gather → compute → combine → step → commit), the evaluator the personalised evaluation.
-
-    S    = federation.round_clients(r)                        pure in (seed, r); dropout / over-selection
-    out  = algorithm.client_update(w, batches[S], state[S], record[S])   functional; looped or vmap-ed
-    Δ    = server pipeline (attacks, clipping, robust rule or algorithm.aggregate, DP noise) over out, p_S
-    w   <- server optimizer step with pseudo-gradient −Δ       (SGD(lr=β): w + βΔ; Adam/Yogi: FedOpt)
-    state[S], σ, seen[S] <- committed
-
-Under ``ddp`` rank k computes the sampled clients at positions ≡ k (mod world size) and a zero-filled all-reduce
-gives every rank the single-process tensors (:class:`~lightning_fedmeta.loop.ranks.RankSplit`).
+A thin facade over the Trainer-free round engine (:mod:`lightning_fedmeta.loop`; the round's formulas:
+docs/design.md): Lightning owns devices, precision, the optimizer, logging and checkpoints; the engine owns the round
+(participants → gather → compute → combine → step → commit), the evaluator the personalised evaluation, the module's
+own state lives in :class:`~lightning_fedmeta.frontends.fit_state.FitState` and DP's budget in
+:class:`~lightning_fedmeta.private_fit.PrivateFit`.
 """
 
 from __future__ import annotations
@@ -43,18 +36,17 @@ from lightning_fedmeta.facade import MODULE_FORWARDS, forward_attributes
 from lightning_fedmeta.frontends.fit_state import FitState
 from lightning_fedmeta.loop import CompilePolicy, RankSplit, RoundEngine, StoreLocation
 from lightning_fedmeta.loop.schedule import ScheduleMode
-from lightning_fedmeta.losses import DEFAULT_LOSS, PerSampleLoss, loss_name, resolve_loss
-from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics, MetricSpec
+from lightning_fedmeta.losses import PerSampleLoss
+from lightning_fedmeta.metrics import MetricSpec
 from lightning_fedmeta.options import (
     FederatedSetupError,
+    bind_model,
     build_algorithm,
-    check_model_outputs,
     check_options,
     check_server_optimizer,
-    default_model_for,
     resolve_loss_option,
+    server_optimizer_config,
     unsaved_arguments,
-    warn_if_optimizer_ignored,
 )
 from lightning_fedmeta.personal_model import personal_model
 from lightning_fedmeta.precision import drop_loss_scaler
@@ -162,30 +154,16 @@ class FederatedModule(LightningModule):
             clients_per_round=clients_per_round, fraction=fraction, aggregation=aggregation, server_lr=server_lr,
             factories={"server_optimizer": server_optimizer, "server_lr_scheduler": server_lr_scheduler},
             client_batching=client_batching, client_chunk_size=client_chunk_size, client_state=client_state,
-            client_state_dir=client_state_dir, step_schedule=step_schedule,
+            client_state_dir=client_state_dir, step_schedule=step_schedule, metrics=metrics,
         )
-        loss = resolve_loss_option(loss)
-        if metrics is not None:
-            if not isinstance(metrics, Mapping) or not metrics:
-                raise ValueError(f"metrics must be a non-empty mapping {{name: metric}}, got {metrics!r}")
-            ClientMetrics(metrics, 1)  # names, built-ins and torchmetrics states checked now, before any data
-        built = build_algorithm(algorithm)
+        loss, built = resolve_loss_option(loss), build_algorithm(algorithm)
         check_server_optimizer(built, server_lr, server_optimizer, server_lr_scheduler)
         self.save_hyperparameters(ignore=unsaved_arguments(algorithm, loss, metrics))
-        self.model = model
-        self.clients_per_round, self.fraction, self.aggregation = clients_per_round, fraction, aggregation
-        self.server_lr, self.server_optimizer = server_lr, server_optimizer
-        self.server_lr_scheduler = server_lr_scheduler
-        self.client_batching, self.client_chunk_size, self.compile_clients = (client_batching, client_chunk_size,
-                                                                              compile_clients)
-        self.step_schedule, self.cuda_graphs = step_schedule, cuda_graphs
-        self.holdout_clients, self.seed, self.loss = holdout_clients, seed, loss
-        self.metrics = dict(metrics) if metrics is not None else None
-        self.client_dropout, self.over_selection = client_dropout, over_selection
-        self.local_steps_dist = local_steps_dist
-        self.aggregator, self.byzantine, self.dp = aggregator, byzantine, dp
-        self.client_state, self.compression = client_state, compression
+        self.model, self.loss, self.metrics = model, loss, dict(metrics) if metrics is not None else None
         self.client_state_dir = None if client_state_dir is None else os.fspath(client_state_dir)
+        options = dict(locals())  # every other option kept under its own name (read by the CLI, plots and tests)
+        for name in _KEPT_OPTIONS:
+            setattr(self, name, options[name])
         self.engine = RoundEngine.from_options(
             built, self.reliability, seed=seed, clients_per_round=clients_per_round, fraction=fraction,
             holdout_clients=holdout_clients, aggregation=aggregation, client_batching=client_batching,
@@ -200,9 +178,7 @@ class FederatedModule(LightningModule):
         self.fit_state = FitState()
         self.private_fit = PrivateFit(self.reliability.dp, self._sample_rate)  # model.dp's budget of this fit
 
-    # ------------------------------------------------------------------------------------------
-    # setup
-    # ------------------------------------------------------------------------------------------
+    # -- setup -------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if self._trainer is not None:  # crash-safe checkpoint writes, unless the user chose a CheckpointIO
             install_atomic_checkpoint_io(self.trainer)
@@ -220,20 +196,13 @@ class FederatedModule(LightningModule):
 
     def attach_data(self, data: FederatedData) -> None:
         """Bind the federated data: build the model if needed, check it, choose clients, initialise state."""
-        spec_of_data = self.fit_state.bind(data)
-        if self.model is None:
-            self.model = default_model_for(spec_of_data)
-        spec = self.loss
-        if spec is None and callable(getattr(self.model, "federated_loss", None)):
-            spec = self.model.federated_loss
-        self.per_sample_loss = resolve_loss(spec, str(data.task))
-        self.fit_state.use_loss(loss_name(spec) if spec is not None else DEFAULT_LOSS[str(data.task)])
-        metric_specs = dict(self.metrics) if self.metrics is not None else dict(DEFAULT_METRICS[str(data.task)])
-        check_model_outputs(self.model, data, self.per_sample_loss, str(self.fit_state.loss_name), metric_specs)
-        warn_if_optimizer_ignored(self.model, self.algorithm)
+        self.fit_state.bind(data)
+        bound = bind_model(self.model, self.loss, self.metrics, data, self.algorithm)
+        self.model, self.per_sample_loss = bound.model, bound.per_sample_loss
+        self.fit_state.use_loss(bound.loss_name)
         self._locate_store()
         reason = self.engine.bind(data, self.model, self.per_sample_loss, str(data.task))
-        self.evaluator.bind(metric_specs, data.num_clients)
+        self.evaluator.bind(bound.metric_specs, data.num_clients)
         k, n_eligible = data.num_clients, int(self.eligible.numel())
         rank_zero_info(f"[lightning_fedmeta] {self.algorithm!r}: {k} clients ({n_eligible} training, "
                        f"{k - n_eligible} held out), {self.num_sampled} per round; clients: {reason}")
@@ -263,15 +232,9 @@ class FederatedModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "setup() must run before configure_optimizers()"
-        params = list(self.model.parameters())
-        opt = self.server_optimizer(params) if self.server_optimizer else torch.optim.SGD(params, lr=self.server_lr)
-        if self.server_lr_scheduler is None:
-            return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.server_lr_scheduler(opt), "interval": "step"}}
+        return server_optimizer_config(self.model, self.server_lr, self.server_optimizer, self.server_lr_scheduler)
 
-    # ------------------------------------------------------------------------------------------
-    # one round
-    # ------------------------------------------------------------------------------------------
+    # -- one round ---------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         self._on_device()
         r = int(self.global_step)
@@ -304,9 +267,7 @@ class FederatedModule(LightningModule):
     def round_steps(self, round_idx: int, clients: Tensor) -> Tensor:
         return self.engine.federation.round_steps(round_idx, clients, self.algorithm.round_plan().steps)
 
-    # ------------------------------------------------------------------------------------------
-    # differential privacy (lightning_fedmeta.private_fit.PrivateFit)
-    # ------------------------------------------------------------------------------------------
+    # -- differential privacy (lightning_fedmeta.private_fit.PrivateFit) ---------------------------
     def _sample_rate(self) -> float:
         return self.num_sampled / int(self.eligible.numel())
 
@@ -343,32 +304,15 @@ class FederatedModule(LightningModule):
         self.trainer.should_stop = True
         return -1
 
-    # ------------------------------------------------------------------------------------------
-    # personalised evaluation
-    # ------------------------------------------------------------------------------------------
-    def accuracy_of(self, scores: dict[str, Tensor], key: str = "acc") -> Tensor:
-        """Per-client values of built-in metric ``key`` from :meth:`evaluate_clients`' sums."""
-        col = list(self.metric.builtin).index(key)
-        return scores["builtin"][:, col] / scores["total"].clamp_min(1)
-
-    def _eval_sample_size(self) -> int | None:
-        """``data.eval_clients`` of the attached datamodule (``None``: every client at every evaluation)."""
-        if self._trainer is None:
-            return None
-        return getattr(getattr(self.trainer, "datamodule", None), "eval_clients", None)
-
+    # -- personalised evaluation -------------------------------------------------------------------
     def _evaluate(self, stage: str, log: bool = True) -> dict[str, dict[str, Tensor]]:
+        """One evaluation of the clients (``data.eval_clients`` of them when the datamodule samples)."""
         self._on_device()
-        summary, evaluated, sampled = self.evaluator.run(stage, self.trained_rounds(), self._eval_sample_size(),
-                                                         self._ranks())
+        sample = getattr(getattr(self.trainer, "datamodule", None), "eval_clients", None) if self._trainer else None
+        summary, evaluated, sampled = self.evaluator.run(stage, self.trained_rounds(), sample, self._ranks())
         if log:
             log_summary(self.log, self._trainer, stage, summary, evaluated if sampled else None, self.primary_metric)
         return summary
-
-    @property
-    def last_per_client_accuracy(self) -> Tensor | None:
-        """Deprecated alias: ``last_per_client[primary_metric]``."""
-        return self.last_per_client.get(self.primary_metric) if self.last_per_client else None
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("val")
@@ -392,25 +336,18 @@ class FederatedModule(LightningModule):
 
     def on_test_end(self) -> None:
         directory = self.trainer.log_dir or self.trainer.default_root_dir  # a collective under DDP: every rank
-        if not (self.last_summary and self.trainer.is_global_zero):
-            return
-        rank_zero_info(format_summary(self.last_summary, self.trained_rounds()))
-        path = self.write_per_client_csv(directory)
-        rank_zero_info(f"per-client test accuracy written to {path}")
+        if self.trainer.is_global_zero:
+            self.evaluator.report_test(directory, self.trained_rounds())
 
-    # ------------------------------------------------------------------------------------------
-    # inference API
-    # ------------------------------------------------------------------------------------------
+    # -- inference API -----------------------------------------------------------------------------
     def personalize(self, client: int | tuple[Tensor, Tensor], round_idx: int | None = None) -> nn.Module:
         """A standalone ``nn.Module`` (in eval mode) holding a client's personalised model.
 
         Args:
-            client: the index of a client of the attached federation (its stored state and training
-                data are used, so the model is the one the evaluation at ``round_idx`` scored), or
-                the training data ``(x, y)`` of a new client: it adapts from the global model exactly
-                as a held-out client does (fresh client state, the algorithm's evaluation-time
-                adaptation on batches drawn from ``(x, y)``). The new-client form works right after
-                ``load_from_checkpoint`` without any federation data.
+            client: the index of a client of the attached federation (its stored state and training data are
+                used: the model the evaluation at ``round_idx`` scored), or the training data ``(x, y)`` of a new
+                client, which adapts from the global model as a held-out client does (fresh state, the algorithm's
+                evaluation-time adaptation on ``(x, y)``); this form works right after ``load_from_checkpoint``.
             round_idx: the round whose draws are used (default: the current or loaded round).
         """
         assert self.model is not None, "the module has no model yet"
@@ -419,9 +356,7 @@ class FederatedModule(LightningModule):
         r = self.trained_rounds() if round_idx is None else round_idx
         return personal_model(self.engine, self.model, client, r, self.device, attached=self.data is not None)
 
-    # ------------------------------------------------------------------------------------------
-    # checkpoints
-    # ------------------------------------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         save_module_state(checkpoint, engine=self.engine, evaluator=self.evaluator, fit=self.fit_state,
                           model=self.model, round_idx=int(self.global_step), privacy=self.privacy_record(),
@@ -448,4 +383,9 @@ class FederatedModule(LightningModule):
                                           model=self.model)
 
 
+#: the constructor's options the module keeps as attributes of the same name besides model, loss and metrics
+_KEPT_OPTIONS = ("clients_per_round", "fraction", "aggregation", "server_lr", "server_optimizer", "server_lr_scheduler",
+                 "client_batching", "client_chunk_size", "compile_clients", "step_schedule", "cuda_graphs",
+                 "holdout_clients", "seed", "client_dropout", "over_selection", "local_steps_dist", "aggregator",
+                 "byzantine", "dp", "client_state", "compression")
 forward_attributes(FederatedModule, MODULE_FORWARDS)

@@ -8,6 +8,7 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,15 +18,15 @@ from torch import Tensor, nn
 from lightning_fedmeta.algorithms.base import Algorithm
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.loop.schedule import SCHEDULES
-from lightning_fedmeta.losses import LOSSES, PerSampleLoss
-from lightning_fedmeta.metrics import BUILTIN_METRICS, MetricSpec
+from lightning_fedmeta.losses import DEFAULT_LOSS, LOSSES, PerSampleLoss, loss_name, resolve_loss
+from lightning_fedmeta.metrics import BUILTIN_METRICS, DEFAULT_METRICS, ClientMetrics, MetricSpec
 from lightning_fedmeta.models import default_model
 from lightning_fedmeta.registry import create_algorithm, load_algorithm
 
 __all__ = [
-    "FederatedSetupError", "build_algorithm", "check_model_outputs", "check_options", "check_server_optimizer",
-    "default_model_for", "resolve_loss_option", "resolved_algorithm_spec", "unsaved_arguments",
-    "warn_if_optimizer_ignored",
+    "BoundModel", "FederatedSetupError", "bind_model", "build_algorithm", "check_model_outputs", "check_options",
+    "check_server_optimizer", "default_model_for", "resolve_loss_option", "resolved_algorithm_spec",
+    "server_optimizer_config", "unsaved_arguments", "warn_if_optimizer_ignored",
 ]
 
 
@@ -140,8 +141,10 @@ def resolve_loss_option(loss: Any) -> Any:
 
 def check_options(*, clients_per_round: int | None, fraction: float | None, aggregation: str, server_lr: float,
                   factories: Mapping[str, Any], client_batching: str, client_chunk_size: int | str | None,
-                  client_state: str, client_state_dir: Any, step_schedule: str = "auto") -> int | None:
-    """Refuse impossible module options; returns ``clients_per_round`` (10 when neither it nor ``fraction``)."""
+                  client_state: str, client_state_dir: Any, step_schedule: str = "auto",
+                  metrics: Any = None) -> int | None:
+    """Refuse impossible module options; returns ``clients_per_round`` (10 when neither it nor ``fraction``).
+    ``metrics`` (names, built-ins and torchmetrics states) are checked now, before any data."""
     if fraction is not None and clients_per_round is not None:
         raise ValueError(f"give clients_per_round or fraction, not both (got clients_per_round={clients_per_round!r}, "
                          f"fraction={fraction!r})")
@@ -170,6 +173,10 @@ def check_options(*, clients_per_round: int | None, fraction: float | None, aggr
         raise ValueError(f"model.client_state must be 'auto', 'memory' or 'disk', got {client_state!r}")
     if client_state_dir is not None and not isinstance(client_state_dir, str | os.PathLike):
         raise ValueError(f"model.client_state_dir must be a folder path, got {client_state_dir!r}")
+    if metrics is not None:
+        if not isinstance(metrics, Mapping) or not metrics:
+            raise ValueError(f"metrics must be a non-empty mapping {{name: metric}}, got {metrics!r}")
+        ClientMetrics(metrics, 1)
     return clients_per_round
 
 
@@ -246,3 +253,43 @@ def check_model_outputs(model: nn.Module, data: FederatedData, loss: PerSampleLo
                              f"({y.dtype}): {type(exc).__name__}: {exc}") from exc
         if tuple(v.shape) != (x.shape[0],):
             raise ValueError(f"metric {key!r} gives shape {tuple(v.shape)} for {x.shape[0]} samples")
+
+
+@dataclass(frozen=True)
+class BoundModel:
+    """The model, loss and metrics a module trains with on one federation (:func:`bind_model`)."""
+
+    model: nn.Module
+    per_sample_loss: PerSampleLoss
+    loss_name: str
+    metric_specs: dict[str, MetricSpec]
+
+
+def bind_model(model: nn.Module | None, loss: Any, metrics: Mapping[str, MetricSpec] | None, data: FederatedData,
+               algorithm: Algorithm) -> BoundModel:
+    """The module's model, loss and metrics on ``data``, checked before round 1: ``model`` (``None``: the default
+    of the data's spec), the loss option (``None``: the model's ``federated_loss``, else the task's default loss),
+    the metrics (``None``: the task's defaults); the model's outputs are checked against loss and metrics, and a
+    learning rate the model carries that the algorithm ignores is warned about."""
+    task = str(data.task)
+    if model is None:
+        model = default_model_for({"input_shape": list(data.input_shape), "num_classes": data.num_classes,
+                                   "task": data.task, "target_shape": list(data.target_shape)})
+    if loss is None and callable(getattr(model, "federated_loss", None)):
+        loss = model.federated_loss
+    per_sample_loss = resolve_loss(loss, task)
+    name = loss_name(loss) if loss is not None else DEFAULT_LOSS[task]
+    specs = dict(metrics) if metrics is not None else dict(DEFAULT_METRICS[task])
+    check_model_outputs(model, data, per_sample_loss, name, specs)
+    warn_if_optimizer_ignored(model, algorithm)
+    return BoundModel(model, per_sample_loss, name, specs)
+
+
+def server_optimizer_config(model: nn.Module, server_lr: float, server_optimizer: Any, scheduler: Any) -> Any:
+    """``configure_optimizers``' value: ``server_optimizer(params)`` or ``SGD(params, lr=server_lr)``, with the
+    scheduler stepped every round when one is given."""
+    params = list(model.parameters())
+    optimizer = server_optimizer(params) if server_optimizer else torch.optim.SGD(params, lr=server_lr)
+    if scheduler is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler(optimizer), "interval": "step"}}

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.evaluation.fairness import summaries_with_spread
+from lightning_fedmeta.evaluation.report import format_summary
 from lightning_fedmeta.evaluation.scoring import score_client
 from lightning_fedmeta.execution import AUTO_CHUNK, run_clients, training_chunk_size
 from lightning_fedmeta.functional import Batch, Params
@@ -62,6 +63,25 @@ class Evaluator:
     # ------------------------------------------------------------------------------------------
     # scoring
     # ------------------------------------------------------------------------------------------
+    def accuracy_of(self, scores: dict[str, Tensor], key: str = "acc") -> Tensor:
+        """Per-client values of built-in metric ``key`` from :meth:`evaluate_clients`' sums."""
+        col = list(self.metric.builtin).index(key)
+        return scores["builtin"][:, col] / scores["total"].clamp_min(1)
+
+    @property
+    def last_per_client_accuracy(self) -> Tensor | None:
+        """Deprecated alias: ``last_per_client[primary_metric]``."""
+        return self.last_per_client.get(self.primary_metric) if self.last_per_client else None
+
+    def report_test(self, directory: str, round_idx: int) -> None:
+        """After a test: the summary table (of round ``round_idx``) to the log and the per-client values to a CSV
+        in ``directory`` (nothing when no test ran)."""
+        if not self.last_summary:
+            return
+        rank_zero_info(format_summary(self.last_summary, round_idx))
+        path = self.write_per_client_csv(directory)
+        rank_zero_info(f"per-client test accuracy written to {path}")
+
     def place(self, device: torch.device) -> None:
         """Move the per-client metric states to ``device`` (the module's, once per device)."""
         self.metric = self.metric.to(device)
