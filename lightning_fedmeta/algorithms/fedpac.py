@@ -94,8 +94,8 @@ from lightning_fedmeta.algorithms.feature_common import (
     features_and_logits,
     linear_head,
 )
+from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.algorithms.shared_representation import check_head_prefix, head_names
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
 from lightning_fedmeta.sampling import phase_lengths
 
