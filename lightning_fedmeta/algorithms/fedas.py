@@ -231,8 +231,7 @@ class FedAS(PersonalModel):
         ``align_steps`` alignment batches."""
         if self.local_epochs is not None:
             return batches
-        first = self.align_steps
-        return Batch(batches.x[first:], batches.y[first:], batches.mask[first:])
+        return batches.slice(self.align_steps)
 
     def client_update(
         self,
