@@ -79,3 +79,13 @@ def test_the_algorithms_package_exports_are_sorted_and_import() -> None:
         assert getattr(importlib.import_module("lightning_fedmeta.algorithms"), name) is not None
     with pytest.raises(AttributeError, match="has no attribute 'NotAnAlgorithm'"):
         algorithms.NotAnAlgorithm  # noqa: B018
+
+
+def test_the_head_helpers_live_in_heads_and_keep_their_old_import_path() -> None:
+    from lightning_fedmeta.algorithms import heads, shared_representation
+
+    assert shared_representation.head_names is heads.head_names
+    assert shared_representation.check_head_prefix is heads.check_head_prefix
+    users = [p.name for p in (PACKAGE / "algorithms").glob("*.py")
+             if "lightning_fedmeta.algorithms.shared_representation" in _imported_modules(f"algorithms/{p.name}")]
+    assert users == ["__init__.py"], f"{users} import the head helpers from FedRep's module, not algorithms.heads"
