@@ -505,7 +505,8 @@ def _taking_common_args(cls: type[Algorithm]) -> Callable[..., None]:
     ``super().__init__``, and calls ``cls.__init__`` with the rest. Its ``__signature__`` is ``cls.__init__``'s
     without the unused arguments and with those it takes as keyword-only parameters (before ``**kwargs``), so
     ``inspect.signature``, ``create_algorithm`` and the CLI (jsonargparse reads ``inspect.signature(cls.__init__)``)
-    see every argument the class accepts. An ``__init__`` with ``**kwargs`` takes none: it forwards them itself.
+    see every argument the class accepts. An ``__init__`` with ``**kwargs`` is trusted to forward them (with
+    ``cls.common_defaults`` for those the caller leaves out).
     """
     unused = dict(cls.unused_args)
     init = cls.__dict__.get("__init__", cls.__init__)
@@ -525,14 +526,16 @@ def _taking_common_args(cls: type[Algorithm]) -> Callable[..., None]:
         raise TypeError(f"{cls.__name__}.__init__ takes {[n for n in named if n in unused]}, which its unused_args "
                         "says it does not use")
     defaults = {n: v for n, v in cls.common_defaults.items() if n in missing}  # an inherited one may be named now
-    taken = [] if forwards else missing
 
     @functools.wraps(init)
     def __init__(self: Algorithm, *args: Any, **kwargs: Any) -> None:
         refused = [k for k in kwargs if k in unused]
         if refused:
             raise ValueError(unused_args_message(cls, refused))
-        caller = {**defaults, **{n: kwargs.pop(n) for n in taken if n in kwargs}}
+        if forwards:  # its **kwargs hands the common arguments on itself
+            init(self, *args, **{**defaults, **kwargs})
+            return
+        caller = {**defaults, **{n: kwargs.pop(n) for n in missing if n in kwargs}}
         outer = getattr(self, "_caller_common_args", {})  # a subclass's wrapper ran first: its caller's values win
         self._caller_common_args = {**caller, **outer}
         init(self, *args, **kwargs)

@@ -115,3 +115,23 @@ def test_the_cli_help_shows_every_argument_with_its_default(
     for n, p in params.items():
         printed = "null" if p.default is None else str(p.default)
         assert shown[n] == printed, f"{name}.{n}: --help says {shown[n]}, the signature {printed}"
+
+
+class Forwards(Algorithm):
+    """An ``__init__`` with ``**kwargs`` that hands them on itself."""
+
+    common_defaults = {"local_steps": 3}
+
+    def __init__(self, delta: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.delta = delta
+
+    def client_update(self, ctx, params, batches, state, server_state, client):  # type: ignore[no-untyped-def]
+        return ClientOutput({k: v * 0 for k, v in params.items()}, state, {}, {})
+
+
+def test_a_forwarding_init_gets_the_declared_default_and_the_callers_value() -> None:
+    assert Forwards().local_steps == 3 and Forwards(local_steps=5).local_steps == 5
+    assert Forwards(batch_size=4).batch_size == 4
+    params = inspect.signature(Forwards.__init__).parameters
+    assert params["local_steps"].default == 3 and list(params)[-1] == "kwargs"
