@@ -61,6 +61,11 @@ class Batch(NamedTuple):
         """The batch at ``index`` along the leading (step, per-step) axes."""
         return Batch(self.x[index], self.y[index], self.mask[index])
 
+    def slice(self, start: int | None = None, stop: int | None = None) -> Batch:
+        """The steps ``start:stop`` along the leading (step) axis, as Python slices them (``batches.slice(2)``: every
+        step from the third on), each of ``x``, ``y`` and ``mask`` alike."""
+        return Batch(self.x[start:stop], self.y[start:stop], self.mask[start:stop])
+
 
 def has_samples(batch: Batch) -> Tensor:
     """Whether ``batch`` holds at least one real sample (0-d bool; vmap-safe).

@@ -9,17 +9,45 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import BatchPlan
-
 __all__ = [
+    "BatchPlan",
     "stable_seed", "generator_for", "sample_clients", "draw_batch_indices", "choose_holdout", "epoch_steps",
     "epoch_batches", "phase_lengths", "total_epochs",
     "plan_steps",
 ]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How many mini-batches a client draws in one call: ``steps × per_step`` batches of ``batch_size``.
+
+    ``batch_size=None`` means full batch (each batch is all of the client's training data,
+    padded and masked to a common length). Every batch is drawn independently and without
+    replacement within itself, as a pure function of ``(seed, round, client)``.
+
+    ``epochs=E`` (``local_epochs``/``finetune_epochs``) counts the work in passes over the client's rows instead:
+    client ``c`` with ``n_c`` rows takes ``s_c = E·⌈n_c / (per_step·B)⌉`` steps (``⌊·⌋`` with ``drop_last``), each
+    epoch a fresh permutation cut into consecutive chunks
+    (:func:`~lightning_fedmeta.sampling.epoch_steps`, :func:`~lightning_fedmeta.sampling.draw_batch_indices`);
+    ``steps`` is then the length of the call's step axis (at least the largest ``s_c``), its steps beyond ``s_c``
+    empty (mask 0).
+
+    A round of two phases (Ditto: global then personal steps; FedRep: head then body steps) gives per-phase epochs
+    ``epochs=(E_1, E_2)``: ``s_c = (E_1 + E_2)·⌈n_c / (per_step·B)⌉``, and the step axis ``T`` (a multiple of
+    ``E_1 + E_2``) holds phase ``p`` in a block of ``T·E_p/(E_1 + E_2)`` steps, each block padded at its end
+    (:func:`~lightning_fedmeta.sampling.phase_lengths`).
+    """
+
+    steps: int
+    per_step: int = 1
+    batch_size: int | None = 32
+    epochs: int | tuple[int, ...] | None = None
+    drop_last: bool = False
 
 
 def stable_seed(*parts: int | str) -> int:

@@ -28,14 +28,14 @@ import functools
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
+from lightning_fedmeta.sampling import BatchPlan  # defined there, below the algorithms; re-exported
 from lightning_fedmeta.state import map_state
 
 __all__ = [
@@ -128,34 +128,6 @@ def client_records(
     )
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    """How many mini-batches a client draws in one call: ``steps × per_step`` batches of ``batch_size``.
-
-    ``batch_size=None`` means full batch (each batch is all of the client's training data,
-    padded and masked to a common length). Every batch is drawn independently and without
-    replacement within itself, as a pure function of ``(seed, round, client)``.
-
-    ``epochs=E`` (``local_epochs``/``finetune_epochs``) counts the work in passes over the client's rows instead:
-    client ``c`` with ``n_c`` rows takes ``s_c = E·⌈n_c / (per_step·B)⌉`` steps (``⌊·⌋`` with ``drop_last``), each
-    epoch a fresh permutation cut into consecutive chunks
-    (:func:`~lightning_fedmeta.sampling.epoch_steps`, :func:`~lightning_fedmeta.sampling.draw_batch_indices`);
-    ``steps`` is then the length of the call's step axis (at least the largest ``s_c``), its steps beyond ``s_c``
-    empty (mask 0).
-
-    A round of two phases (Ditto: global then personal steps; FedRep: head then body steps) gives per-phase epochs
-    ``epochs=(E_1, E_2)``: ``s_c = (E_1 + E_2)·⌈n_c / (per_step·B)⌉``, and the step axis ``T`` (a multiple of
-    ``E_1 + E_2``) holds phase ``p`` in a block of ``T·E_p/(E_1 + E_2)`` steps, each block padded at its end
-    (:func:`~lightning_fedmeta.sampling.phase_lengths`).
-    """
-
-    steps: int
-    per_step: int = 1
-    batch_size: int | None = 32
-    epochs: int | tuple[int, ...] | None = None
-    drop_last: bool = False
-
-
 def check_positive(name: str, value: float | int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -233,10 +205,10 @@ class Algorithm(ABC):
     declare its own arguments: a common argument it does not name is accepted anyway and handed to
     this constructor (the caller's value replaces whatever the subclass passes to
     ``super().__init__``), and the subclass's signature (``inspect.signature``, the CLI,
-    ``create_algorithm``) shows it as a keyword-only argument. Name it in ``__init__`` to give it
-    another default. A common argument the algorithm cannot honour is listed in
-    :attr:`unused_args` with the reason: it is then refused with that reason, and left out of the
-    signature, :meth:`hparams` and ``repr``.
+    ``create_algorithm``) shows it as a keyword-only argument, with its default from
+    :attr:`common_defaults` (else this constructor's). Name it in ``__init__`` to handle it yourself. A
+    common argument the algorithm cannot honour is listed in :attr:`unused_args` with the reason: it
+    is then refused with that reason, and left out of the signature, :meth:`hparams` and ``repr``.
     """
 
     #: registry name (the entry-point name)
@@ -253,6 +225,13 @@ class Algorithm(ABC):
     #: common arguments (:data:`COMMON_ARGS`) this algorithm does not use, each mapped to the reason
     #: (e.g. ``{"local_lr": "the inner learning rate is alpha"}``)
     unused_args: ClassVar[Mapping[str, str]] = {}
+    #: this algorithm's defaults for common arguments its ``__init__`` does not name (the others default as in
+    #: :class:`Algorithm`), e.g. ``{"finetune_steps": 1}``: its signature shows them, and a caller who does not pass
+    #: one gets it (it replaces what the subclass passes to ``super().__init__``, as a caller's value does)
+    common_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: set by the ``__init__`` wrapper (:func:`_taking_common_args`) until :meth:`__init__` consumes it: the caller's
+    #: values of the common arguments the subclass's ``__init__`` does not name
+    _caller_common_args: dict[str, Any]
 
     @classmethod
     def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module | None:
@@ -270,7 +249,7 @@ class Algorithm(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _accept_common_args(cls)
+        cls.__init__ = _taking_common_args(cls)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -284,16 +263,27 @@ class Algorithm(ABC):
         finetune_epochs: int | None = None,
         drop_last: bool = False,
     ) -> None:
-        given = self.__dict__.pop("_given_common_args", {})  # set by a subclass's wrapped __init__
-        local_steps = given.get("local_steps", local_steps)
-        local_lr = given.get("local_lr", local_lr)
-        batch_size = given.get("batch_size", batch_size)
-        finetune_steps = given.get("finetune_steps", finetune_steps)
-        finetune_lr = given.get("finetune_lr", finetune_lr)
-        finetune_batch_size = given.get("finetune_batch_size", finetune_batch_size)
-        local_epochs = given.get("local_epochs", local_epochs)
-        finetune_epochs = given.get("finetune_epochs", finetune_epochs)
-        drop_last = given.get("drop_last", drop_last)
+        values = {
+            "local_steps": local_steps, "local_lr": local_lr, "batch_size": batch_size,
+            "finetune_steps": finetune_steps, "finetune_lr": finetune_lr, "finetune_batch_size": finetune_batch_size,
+            "local_epochs": local_epochs, "finetune_epochs": finetune_epochs, "drop_last": drop_last,
+        }
+        values.update(vars(self).pop("_caller_common_args", {}))  # the caller's: see _taking_common_args
+        self._set_common_args(**values)
+
+    def _set_common_args(
+        self,
+        local_steps: int,
+        local_lr: float,
+        batch_size: int | None,
+        finetune_steps: int,
+        finetune_lr: float | None,
+        finetune_batch_size: int | None,
+        local_epochs: int | None,
+        finetune_epochs: int | None,
+        drop_last: bool,
+    ) -> None:
+        """Check and keep the common arguments (``finetune_lr=None``: ``local_lr``)."""
         if not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
         check_non_negative("local_lr", local_lr)
@@ -506,49 +496,57 @@ def unused_args_message(cls: type[Algorithm], names: list[str]) -> str:
     return f"algorithm {label!r} does not use {', '.join(map(repr, names))} ({reasons})"
 
 
-def _accept_common_args(cls: type[Algorithm]) -> None:
-    """Let ``cls(...)`` take every common argument its ``__init__`` does not name and hand it to
-    :meth:`Algorithm.__init__`; refuse the ones in ``cls.unused_args`` with their reason.
+def _taking_common_args(cls: type[Algorithm]) -> Callable[..., None]:
+    """``cls.__init__`` (its own or the inherited one) made to take every common argument it does not name.
 
-    ``cls.__init__`` (its own or the inherited one) is wrapped. The wrapper's ``__signature__`` is
-    the wrapped one without the unused arguments and with the other missing common arguments as
-    keyword-only parameters (before ``**kwargs``), so introspection (``create_algorithm``, the CLI)
-    sees what the class accepts. A wrapped ``__init__`` with ``**kwargs`` is trusted to forward them.
+    The returned ``__init__`` refuses the arguments of ``cls.unused_args`` with their reason; takes the other common
+    arguments ``cls.__init__`` does not name out of the call (the caller's value, else ``cls.common_defaults``'),
+    keeps them on the instance for :meth:`Algorithm.__init__`, where they replace what the subclass passes to
+    ``super().__init__``, and calls ``cls.__init__`` with the rest. Its ``__signature__`` is ``cls.__init__``'s
+    without the unused arguments and with those it takes as keyword-only parameters (before ``**kwargs``), so
+    ``inspect.signature``, ``create_algorithm`` and the CLI (jsonargparse reads ``inspect.signature(cls.__init__)``)
+    see every argument the class accepts. An ``__init__`` with ``**kwargs`` is trusted to forward them (with
+    ``cls.common_defaults`` for those the caller leaves out).
     """
     unused = dict(cls.unused_args)
+    init = cls.__dict__.get("__init__", cls.__init__)
+    sig = inspect.signature(init)
+    params = list(sig.parameters.values())
+    named = [p.name for p in params]
+    forwards = any(p.kind is p.VAR_KEYWORD for p in params)
+    missing = [n for n in COMMON_ARGS if n not in named and n not in unused]
     stray = sorted(set(unused) - set(COMMON_ARGS))
     if stray:
         raise TypeError(f"{cls.__name__}.unused_args names {stray}, which are not common arguments {COMMON_ARGS}")
-    own = "__init__" in cls.__dict__
-    init = cls.__dict__["__init__"] if own else cls.__init__
-    sig = inspect.signature(init)
-    params = list(sig.parameters.values())
-    if own:
-        named_unused = [p.name for p in params if p.name in unused]
-        if named_unused:
-            raise TypeError(f"{cls.__name__}.__init__ takes {named_unused}, which its unused_args says it does not use")
-    named = {p.name for p in params}
-    forwards = any(p.kind is p.VAR_KEYWORD for p in params)
-    missing = [n for n in COMMON_ARGS if n not in named and n not in unused]
-    base = inspect.signature(Algorithm.__init__).parameters
-    kept = [p for p in params if p.name not in unused and p.kind is not p.VAR_KEYWORD]
-    added = [base[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in missing]
-    var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
+    stray = sorted(set(cls.__dict__.get("common_defaults", {})) - set(missing))
+    if stray:
+        raise TypeError(f"{cls.__name__}.common_defaults names {stray}, which are not common arguments its __init__ "
+                        f"leaves to Algorithm (those are {missing})")
+    if "__init__" in cls.__dict__ and set(named) & set(unused):
+        raise TypeError(f"{cls.__name__}.__init__ takes {[n for n in named if n in unused]}, which its unused_args "
+                        "says it does not use")
+    defaults = {n: v for n, v in cls.common_defaults.items() if n in missing}  # an inherited one may be named now
 
     @functools.wraps(init)
     def __init__(self: Algorithm, *args: Any, **kwargs: Any) -> None:
         refused = [k for k in kwargs if k in unused]
         if refused:
             raise ValueError(unused_args_message(cls, refused))
-        if not forwards:
-            given = self.__dict__.setdefault("_given_common_args", {})
-            for n in missing:
-                if n in kwargs:
-                    given.setdefault(n, kwargs.pop(n))  # the outermost (the caller's) value wins
+        if forwards:  # its **kwargs hands the common arguments on itself
+            init(self, *args, **{**defaults, **kwargs})
+            return
+        caller = {**defaults, **{n: kwargs.pop(n) for n in missing if n in kwargs}}
+        outer = getattr(self, "_caller_common_args", {})  # a subclass's wrapper ran first: its caller's values win
+        self._caller_common_args = {**caller, **outer}
         init(self, *args, **kwargs)
 
+    base = inspect.signature(Algorithm.__init__).parameters
+    added = [base[n].replace(kind=inspect.Parameter.KEYWORD_ONLY, default=defaults.get(n, base[n].default))
+             for n in missing]
+    kept = [p for p in params if p.name not in unused and p.kind is not p.VAR_KEYWORD]
+    var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
     __init__.__signature__ = sig.replace(parameters=kept + added + var_kw)  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[method-assign]
+    return __init__
 
 
 def phase_epochs(name: str, value: int | None, local_epochs: int | None, steps_arg: str) -> int | None:

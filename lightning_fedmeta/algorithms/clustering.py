@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientRecord
+from lightning_fedmeta.algorithms.rows import one_hot  # re-exported (its old home)
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum, weighted_sum
 
 __all__ = [
@@ -45,11 +46,6 @@ __all__ = [
 
 #: server-state key of the stacked cluster models: ``server_state["cluster"][parameter name]`` is ``[slots, ...]``
 CLUSTER = "cluster"
-
-
-def one_hot(index: Tensor, k: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``e_index ∈ {0, 1}^k`` built by comparison (vmap-safe; an index outside ``[0, k)`` gives zeros)."""
-    return (torch.arange(k, device=index.device) == index).to(dtype)
 
 
 def cluster_losses(ctx: ClientContext, clusters: Params, batches: Batch) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_fedmeta import running_stats
-from lightning_fedmeta.algorithms.shared_representation import head_names
+from lightning_fedmeta.algorithms.heads import head_names
 from lightning_fedmeta.functional import ClientContext, Params
 
 __all__ = ["KNOWN", "PROTOTYPES", "LinearHead", "class_sums", "empty_prototypes", "features_and_logits", "linear_head"]

@@ -126,7 +126,7 @@ class FedALA(Algorithm):
     def _training_batches(self, batches: Batch, epochs: int | None) -> Batch:
         """The SGD steps' batches: all of them under epochs (the W steps shared them), else those after the W
         steps' ``weight_steps``."""
-        return batches if epochs is not None else self._tail(batches, self.weight_steps)
+        return batches if epochs is not None else batches.slice(self.weight_steps)
 
     def higher(self, params: Params) -> list[str]:
         """Names of the p highest parameter tensors (the last ``ala_layers`` of the model's order)."""
@@ -160,10 +160,6 @@ class FedALA(Algorithm):
             rate = self.eta if t < self.ala_steps else self.eta * (1 - started)
             weights = {k: (w - rate * g[k] * gap[k]).clamp(0.0, 1.0) for k, w in weights.items()}
         return {**params, **{k: local[k] + gap[k] * weights[k] for k in weights}}, weights
-
-    @staticmethod
-    def _tail(batches: Batch, first: int) -> Batch:
-        return Batch(batches.x[first:], batches.y[first:], batches.mask[first:])
 
     def client_update(
         self,

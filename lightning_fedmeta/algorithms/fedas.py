@@ -80,8 +80,8 @@ from lightning_fedmeta.algorithms.base import (
     started_from,
 )
 from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
+from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.algorithms.shared_representation import check_head_prefix, head_names
 from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
 __all__ = ["FedAS", "fisher_weights"]
@@ -231,8 +231,7 @@ class FedAS(PersonalModel):
         ``align_steps`` alignment batches."""
         if self.local_epochs is not None:
             return batches
-        first = self.align_steps
-        return Batch(batches.x[first:], batches.y[first:], batches.mask[first:])
+        return batches.slice(self.align_steps)
 
     def client_update(
         self,

@@ -44,8 +44,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.algorithms.shared_representation import check_head_prefix, head_names
 from lightning_fedmeta.functional import Batch, ClientContext, Params
 
 __all__ = ["FedBABU", "body_sgd"]

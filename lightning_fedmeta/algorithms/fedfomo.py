@@ -124,7 +124,7 @@ class FedFomo(PersonalModel):
     @staticmethod
     def _training_batches(batches: Batch, epochs: int | None) -> Batch:
         """The SGD steps' batches: all of them under epochs (V is the first), else batches 1.. (V held apart)."""
-        return batches if epochs is not None else Batch(batches.x[1:], batches.y[1:], batches.mask[1:])
+        return batches if epochs is not None else batches.slice(1)
 
     def bind_clients(self, clients: ClientRecord, label_counts: Tensor) -> None:
         """Record K, the number of clients (the server keeps a model per client)."""

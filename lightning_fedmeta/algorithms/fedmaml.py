@@ -25,7 +25,10 @@ from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_scale
 
-__all__ = ["FedMAML", "maml_meta_gradient", "maml_plan", "meta_rates", "split_support_query"]
+__all__ = [
+    "BETA_IS_LOCAL_LR", "META_FINETUNE_DEFAULTS", "FedMAML", "beta_meta_rates", "maml_meta_gradient", "maml_plan",
+    "meta_rates", "split_support_query",
+]
 
 
 def split_support_query(batch: Batch) -> tuple[Batch, Batch]:
@@ -49,6 +52,16 @@ def split_support_query(batch: Batch) -> tuple[Batch, Batch]:
     return support, query
 
 
+#: the evaluation the meta-learners (Reptile, FedMAML, Per-FedAvg, PerFedMAML) default to, as their
+#: :attr:`~lightning_fedmeta.algorithms.base.Algorithm.common_defaults`: one fine-tuning step on the client's whole
+#: training set (from the model it was meta-trained to adapt from)
+META_FINETUNE_DEFAULTS: dict[str, object] = {"finetune_steps": 1, "finetune_batch_size": None}
+
+
+#: the common argument refused by the meta-learners with a meta step size β of their own (Per-FedAvg, PerFedMAML)
+BETA_IS_LOCAL_LR: dict[str, str] = {"local_lr": "the local (meta) step size is beta; alpha is the adaptation rate"}
+
+
 def meta_rates(alpha: float, finetune_lr: float | None, **rates: float) -> float:
     """Check the meta-learners' step sizes, α and the others named (β), each ``>= 0``, and return the evaluation
     fine-tuning rate: ``finetune_lr``, or α when it is ``None`` (a client is evaluated after the inner adaptation
@@ -56,6 +69,12 @@ def meta_rates(alpha: float, finetune_lr: float | None, **rates: float) -> float
     for name, value in {"alpha": alpha, **rates}.items():
         check_non_negative(name, value)
     return alpha if finetune_lr is None else finetune_lr
+
+
+def beta_meta_rates(alpha: float, beta: float, finetune_lr: float | None) -> dict[str, float]:
+    """The common arguments of a meta-learner whose local step size is a meta step size β of its own (Per-FedAvg,
+    PerFedMAML): ``local_lr = β`` and ``finetune_lr`` (α when ``None``: :func:`meta_rates`, which checks α, β ≥ 0)."""
+    return {"local_lr": beta, "finetune_lr": meta_rates(alpha, finetune_lr, beta=beta)}
 
 
 def maml_plan(algorithm: Algorithm) -> BatchPlan:
@@ -112,18 +131,11 @@ class FedMAML(Algorithm):
         "is the module's server_lr",
     }
 
-    def __init__(
-        self,
-        alpha: float = 0.01,
-        second_order: bool = False,
-        local_steps: int = 1,
-        batch_size: int | None = 32,
-        finetune_steps: int = 1,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = None,
-    ) -> None:
-        finetune_lr = meta_rates(alpha, finetune_lr)
-        super().__init__(local_steps, alpha, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+    common_defaults = {"local_steps": 1, **META_FINETUNE_DEFAULTS}
+
+    def __init__(self, alpha: float = 0.01, second_order: bool = False) -> None:
+        check_non_negative("alpha", alpha)
+        super().__init__(local_lr=alpha)  # finetune_lr=None (its default) follows it: alpha
         self.alpha = alpha
         self.second_order = bool(second_order)
 

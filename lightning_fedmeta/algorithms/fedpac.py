@@ -94,8 +94,9 @@ from lightning_fedmeta.algorithms.feature_common import (
     features_and_logits,
     linear_head,
 )
+from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.algorithms.shared_representation import check_head_prefix, head_names
+from lightning_fedmeta.algorithms.rows import take_rows
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
 from lightning_fedmeta.sampling import phase_lengths
 
@@ -168,15 +169,6 @@ def feature_statistics(sums: Tensor, squares: Tensor, counts: Tensor) -> tuple[T
     total = counts.sum().clamp_min(1.0)
     moments = sums / total
     return squares.sum() / total - (moments**2).sum(), moments
-
-
-def _row(stacked: Params, index: Tensor) -> Params:
-    """Row ``index`` of each ``[K, ...]`` tensor by a one-hot product (vmap-safe; zeros for index −1)."""
-    out = {}
-    for name, t in stacked.items():
-        onehot = (torch.arange(t.shape[0], device=t.device) == index).to(t.dtype)
-        out[name] = (onehot.reshape(-1, *([1] * (t.dim() - 1))) * t).sum(0)
-    return out
 
 
 class FedPAC(Algorithm):
@@ -276,7 +268,7 @@ class FedPAC(Algorithm):
     def client_head(self, params: Params, server_state: dict[str, Any], client: ClientRecord) -> Params:
         """The client's combined head (its row of ``heads``), or the global head while it has not trained."""
         _, head = self.split(params)
-        return started_from(client, _row(server_state[HEADS], client.index), head)
+        return started_from(client, take_rows(server_state[HEADS], client.index), head)
 
     def personal_start(
         self, params: Params, state: dict[str, Tensor], server_state: dict[str, Any], client: ClientRecord
@@ -399,7 +391,7 @@ class FedPAC(Algorithm):
     def download(self, params: Params, server_state: dict[str, Any], client: ClientRecord) -> dict[str, Any]:
         """The global model (body, and the global head for a client that has not trained), the prototypes ``[C, d]``
         with their ``known`` flags ``[C]``, and the client's combined head: d + C·d + C + (C·d + C) floats."""
-        row = _row(server_state[HEADS], client.index)
+        row = take_rows(server_state[HEADS], client.index)
         return {"params": dict(params), PROTOTYPES: server_state[PROTOTYPES], KNOWN: server_state[KNOWN],
                 "head": row}
 

@@ -55,8 +55,8 @@ from lightning_fedmeta.algorithms.feature_common import (
     features_and_logits,
     linear_head,
 )
+from lightning_fedmeta.algorithms.heads import check_head_prefix
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.algorithms.shared_representation import check_head_prefix
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["FedProto"]

@@ -48,8 +48,8 @@ from torch import Tensor
 from torch.func import grad
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
+from lightning_fedmeta.algorithms.heads import head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.algorithms.shared_representation import head_names
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["FedRoD", "balanced_log_prior"]

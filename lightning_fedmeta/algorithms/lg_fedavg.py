@@ -40,8 +40,8 @@ evaluation (0 = evaluate (θ, π_i) itself). All are used.
 
 from __future__ import annotations
 
+from lightning_fedmeta.algorithms.heads import head_names
 from lightning_fedmeta.algorithms.personal_layers_common import PersonalLayers
-from lightning_fedmeta.algorithms.shared_representation import head_names
 from lightning_fedmeta.functional import Params
 
 __all__ = ["LGFedAvg"]

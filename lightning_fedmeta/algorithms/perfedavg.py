@@ -30,7 +30,7 @@ from lightning_fedmeta.algorithms.base import (
     ClientRecord,
     check_positive,
 )
-from lightning_fedmeta.algorithms.fedmaml import meta_rates
+from lightning_fedmeta.algorithms.fedmaml import BETA_IS_LOCAL_LR, META_FINETUNE_DEFAULTS, beta_meta_rates
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_sub
 
@@ -70,7 +70,8 @@ class PerFedAvg(Algorithm):
     name = "perfedavg"
     step_budget = True
     summary = "Per-FedAvg: FedAvg on the one-step-adapted loss, fo/hf/exact (Fallah et al., 2020)"
-    unused_args = {"local_lr": "Per-FedAvg's local (meta) step size is beta; alpha is the adaptation rate"}
+    unused_args = BETA_IS_LOCAL_LR
+    common_defaults = {"batch_size": 40, **META_FINETUNE_DEFAULTS}
 
     def __init__(
         self,
@@ -78,21 +79,15 @@ class PerFedAvg(Algorithm):
         alpha: float = 0.001,
         beta: float = 0.001,
         delta: float = 0.001,
-        local_steps: int = 10,
-        batch_size: int | None = 40,
-        finetune_steps: int = 1,
         finetune_lr: float | None = None,
-        finetune_batch_size: int | None = None,
     ) -> None:
         if variant not in _BATCHES_PER_STEP:
             raise ValueError(f"variant must be one of {sorted(_BATCHES_PER_STEP)}, got {variant!r}")
-        finetune_lr = meta_rates(alpha, finetune_lr, beta=beta)
+        rates = beta_meta_rates(alpha, beta, finetune_lr)
         check_positive("delta", delta)
-        super().__init__(local_steps, beta, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+        super().__init__(**rates)
         self.variant = variant
-        self.alpha = alpha
-        self.beta = beta
-        self.delta = delta
+        self.alpha, self.beta, self.delta = alpha, beta, delta
 
     def round_plan(self) -> BatchPlan:
         """τ steps of (D, D′) for ``fo``, (D, D′, D″) for ``hf`` and ``exact``. Under ``local_epochs`` (E) a step

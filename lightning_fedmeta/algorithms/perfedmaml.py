@@ -37,7 +37,14 @@ from lightning_fedmeta.algorithms.base import (
     PersonalModel,
     check_non_negative,
 )
-from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, maml_plan, meta_rates, split_support_query
+from lightning_fedmeta.algorithms.fedmaml import (
+    BETA_IS_LOCAL_LR,
+    META_FINETUNE_DEFAULTS,
+    beta_meta_rates,
+    maml_meta_gradient,
+    maml_plan,
+    split_support_query,
+)
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
@@ -70,9 +77,10 @@ class PerFedMAML(PersonalModel):
 
     name = "perfedmaml"
     step_budget = True
+    unused_args = BETA_IS_LOCAL_LR
+    common_defaults = {"local_steps": 1, **META_FINETUNE_DEFAULTS}
     server_optimizer_applies = False
     summary = "PerFedMAML: per-client MAML initialisations θ_i with λ‖θ_i − θ̄‖² coupling to their mean"
-    unused_args = {"local_lr": "PerFedMAML's local (meta) step size is beta; alpha is the adaptation rate"}
 
     def __init__(
         self,
@@ -80,18 +88,12 @@ class PerFedMAML(PersonalModel):
         beta: float = 0.05,
         lam: float = 0.5,
         second_order: bool = False,
-        local_steps: int = 1,
-        batch_size: int | None = 32,
-        finetune_steps: int = 1,
         finetune_lr: float | None = None,
-        finetune_batch_size: int | None = None,
     ) -> None:
-        finetune_lr = meta_rates(alpha, finetune_lr, beta=beta)
+        rates = beta_meta_rates(alpha, beta, finetune_lr)
         check_non_negative("lam", lam)
-        super().__init__(local_steps, beta, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
-        self.alpha = alpha
-        self.beta = beta
-        self.lam = lam
+        super().__init__(**rates)
+        self.alpha, self.beta, self.lam = alpha, beta, lam
         self.second_order = bool(second_order)
 
     def round_plan(self) -> BatchPlan:

@@ -61,6 +61,7 @@ from lightning_fedmeta.algorithms.base import (
     started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import local_sgd
+from lightning_fedmeta.algorithms.rows import take_row
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["PFedHN", "generate"]
@@ -180,11 +181,6 @@ class PFedHN(Algorithm):
     def _model(self, hnet: dict[str, Tensor], v: Tensor, params: Params) -> Params:
         return generate(hnet, v, {n: p.shape for n, p in params.items()}, self.mlp_layers)
 
-    def _row(self, hnet: dict[str, Tensor], index: Tensor) -> Tensor:
-        """``v_index`` by a one-hot product (vmap-safe; zeros for an index outside the federation)."""
-        table = hnet[EMBED]
-        return (torch.arange(table.shape[0], device=table.device) == index).to(table.dtype) @ table
-
     def _mean_embedding(self, server_state: dict[str, Tensor]) -> Tensor:
         """v̄ = Σ_i p_i v_i over the training clients."""
         return server_state[WEIGHTS] @ server_state[HNET][EMBED]
@@ -201,14 +197,14 @@ class PFedHN(Algorithm):
     ) -> ClientOutput:
         """τ SGD steps from ``θ_i = h(v_i; φ)``; uploads ``Δθ_i = θ̃_i − θ_i``."""
         hnet = server_state[HNET]
-        theta = self._model(hnet, self._row(hnet, client.index), params)
+        theta = self._model(hnet, take_row(hnet[EMBED], client.index), params)
         trained, loss = local_sgd(ctx, theta, batches, self.local_lr)
         return ClientOutput(delta=tree_sub(trained, theta), state={}, extras={}, metrics={"loss": loss})
 
     def download(self, params: Params, server_state: dict[str, Tensor], client: ClientRecord) -> dict[str, Tensor]:
         """The client's generated model ``θ_i = h(v_i; φ)`` (d floats; the hypernetwork stays on the server)."""
         hnet = server_state[HNET]
-        return self._model(hnet, self._row(hnet, client.index), params)
+        return self._model(hnet, take_row(hnet[EMBED], client.index), params)
 
     def upload(self, output: ClientOutput) -> dict[str, Tensor]:
         """``Δθ_i = θ̃_i − θ_i`` (d floats)."""
@@ -261,5 +257,5 @@ class PFedHN(Algorithm):
     ) -> Params:
         """``h(v_i; φ)`` for a client that has trained; ``h(v̄; φ)`` (the global parameters) otherwise."""
         hnet = server_state[HNET]
-        own = self._model(hnet, self._row(hnet, client.index), params)
+        own = self._model(hnet, take_row(hnet[EMBED], client.index), params)
         return started_from(client, own, params)

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
+from lightning_fedmeta.algorithms.rows import take_column, take_row
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
 __all__ = [
@@ -182,12 +183,10 @@ def coupling_column(similarity: Tensor, weights: Tensor, k: Tensor, own_weight: 
     the client's index (0-d int tensor; a one-hot product selects row and column, so it is vmap-safe)
     and ``own_weight`` its ``p_k`` (default ``weights[k]``).
     """
-    num = similarity.shape[0]
-    onehot = (torch.arange(num, device=similarity.device) == k).to(similarity.dtype)
-    column = similarity @ onehot  # S_{·k}
-    row = onehot @ similarity  # S_{k·}
+    column = take_column(similarity, k)  # S_{·k}
+    row = take_row(similarity, k)  # S_{k·}
     w = weights.to(similarity.dtype)
-    pk = (w @ onehot) if own_weight is None else own_weight.to(similarity.dtype)
+    pk = take_row(w, k) if own_weight is None else own_weight.to(similarity.dtype)
     ratio = torch.where(pk > 0, w / pk.clamp_min(torch.finfo(similarity.dtype).tiny), torch.zeros_like(w))
     return torch.where(pk > 0, column + ratio * row, torch.zeros_like(column))
 

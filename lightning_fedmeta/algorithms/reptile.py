@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
-from lightning_fedmeta.algorithms.fedmaml import meta_rates
+from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative
+from lightning_fedmeta.algorithms.fedmaml import META_FINETUNE_DEFAULTS
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
 
@@ -45,17 +45,11 @@ class Reptile(Algorithm):
     summary = "Reptile: τ inner SGD steps, server moves w towards the clients' adapted models (Nichol et al., 2018)"
     unused_args = {"local_lr": "Reptile's inner (local) learning rate is alpha"}
 
-    def __init__(
-        self,
-        alpha: float = 0.01,
-        local_steps: int = 10,
-        batch_size: int | None = 32,
-        finetune_steps: int = 1,
-        finetune_lr: float | None = None,
-        finetune_batch_size: int | None = None,
-    ) -> None:
-        finetune_lr = meta_rates(alpha, finetune_lr)
-        super().__init__(local_steps, alpha, batch_size, finetune_steps, finetune_lr, finetune_batch_size)
+    common_defaults = META_FINETUNE_DEFAULTS
+
+    def __init__(self, alpha: float = 0.01) -> None:
+        check_non_negative("alpha", alpha)
+        super().__init__(local_lr=alpha)  # finetune_lr=None (its default) follows it: alpha
         self.alpha = alpha
 
     def client_update(

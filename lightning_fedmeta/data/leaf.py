@@ -38,9 +38,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
 
-from lightning_fedmeta.data.federated import FederatedDataset
+from lightning_fedmeta.data.lazy_clients import ClientTensors, LazyClientData
 
 __all__ = ["ALL_LETTERS", "FEMNIST_NUM_CLASSES", "LEAF_KINDS", "LeafDataset"]
 
@@ -60,7 +59,7 @@ _LAYOUT = (
 _Arrays = tuple[np.ndarray, np.ndarray]
 
 
-class LeafDataset(FederatedDataset):
+class LeafDataset(LazyClientData):
     """A LEAF dataset (FEMNIST or Shakespeare) with one client per LEAF user.
 
     The files are read on first use (``client_data()``, or ``num_classes``/``task``/``client_names``
@@ -107,7 +106,7 @@ class LeafDataset(FederatedDataset):
         self.min_samples = min_samples
         self.unknown_char = unknown_char
         self._train_dir, self._test_dir = _resolve_layout(Path(root))
-        self._clients: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
+        self._clients: list[ClientTensors] | None = None
         self._names: list[str] = []
         self._kind: str | None = None if kind == "auto" else kind
 
@@ -137,17 +136,10 @@ class LeafDataset(FederatedDataset):
         self._load()
         return list(self._names)
 
-    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """One ``(train_x, train_y, test_x, test_y)`` per kept user (see the class docstring)."""
-        self._load()
-        assert self._clients is not None
-        return list(self._clients)
-
     # -- reading ------------------------------------------------------------------------------------
 
-    def _load(self) -> None:
-        if self._clients is not None:
-            return
+    def _read_clients(self) -> list[ClientTensors]:
+        """One ``(train_x, train_y, test_x, test_y)`` per kept user (see the class docstring); keeps their ids."""
         train = self._read_split(self._train_dir, "train")
         test = self._read_split(self._test_dir, "test")
         both = sorted(set(train) & set(test))
@@ -185,7 +177,7 @@ class LeafDataset(FederatedDataset):
                 f"LEAF {self._kind} samples of {self.root!r} differ in shape between users: {sorted(shapes)}"
             )
         self._names = kept
-        self._clients = [
+        return [
             (torch.from_numpy(train[u][0]), torch.from_numpy(train[u][1]),
              torch.from_numpy(test[u][0]), torch.from_numpy(test[u][1]))
             for u in kept

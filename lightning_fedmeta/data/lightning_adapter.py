@@ -30,7 +30,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
-from lightning_fedmeta.data.federated import TASKS, FederatedDataset, infer_task
+from lightning_fedmeta.data.federated import TASKS, infer_task
+from lightning_fedmeta.data.lazy_clients import ClientTensors, LazyClientData
 from lightning_fedmeta.data.partition import cap_client_sizes, dirichlet, iid, matching_test_split, shards
 
 __all__ = ["ADAPTER_PARTITIONS", "STANDALONE_DEFAULTS", "LightningDataPartition"]
@@ -47,7 +48,7 @@ STANDALONE_DEFAULTS: dict[str, Any] = {
 _DATAMODULE_NAMES = {name: "data_seed" if name == "seed" else name for name in STANDALONE_DEFAULTS}
 
 
-class LightningDataPartition(FederatedDataset):
+class LightningDataPartition(LazyClientData):
     """Split a ``LightningDataModule``'s samples among ``num_clients`` clients.
 
     On first use (``client_data()``, ``num_classes`` or ``task``) it calls ``datamodule.prepare_data()``,
@@ -136,7 +137,7 @@ class LightningDataPartition(FederatedDataset):
         self.test = test
         self._set_split_options({**STANDALONE_DEFAULTS, **self._given})
         self._task = task
-        self._clients: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
+        self._clients: list[ClientTensors] | None = None
         self._num_classes: int | None = None
         self._loader_names = {"train": "train_dataloader()", "test": "test_dataloader()"}
 
@@ -187,16 +188,8 @@ class LightningDataPartition(FederatedDataset):
         assert self._task is not None
         return self._task
 
-    def client_data(self) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """One ``(train_x, train_y, test_x, test_y)`` per client."""
-        self._load()
-        assert self._clients is not None
-        return list(self._clients)
-
-    def _load(self) -> None:
-        """Read the datamodule's samples and split them among the clients (once; later calls return)."""
-        if self._clients is not None:
-            return
+    def _read_clients(self) -> list[ClientTensors]:
+        """Read the datamodule's samples and split them among the clients."""
         dm = self.datamodule
         train_x, train_y, test_x, test_y = self._read_samples()
         task = self._task or infer_task(train_x, train_y)
@@ -215,14 +208,13 @@ class LightningDataPartition(FederatedDataset):
             if n_test < k:
                 raise ValueError(f"num_clients={k} exceeds the {n_test} test samples; each client needs one")
             test_parts = iid(torch.zeros(n_test, dtype=torch.long), k, self.seed)
-        self._clients = [
-            (train_x[p], train_y[p], test_x[q], test_y[q]) for p, q in zip(parts, test_parts, strict=True)
-        ]
+        clients = [(train_x[p], train_y[p], test_x[q], test_y[q]) for p, q in zip(parts, test_parts, strict=True)]
         rank_zero_info(
             f"LightningDataPartition of {type(dm).__name__}: {n_train} train and {n_test} test samples, "
             f"task {task}, split among {k} clients ({self.partition} partition, "
             f"{'matching' if matching else 'iid'} test split)"
         )
+        return clients
 
     def _read_samples(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(train_x, train_y, test_x, test_y)`` read from the datamodule's loaders under a seeded ``fork_rng``."""

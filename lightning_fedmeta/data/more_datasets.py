@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_fedmeta.data.cifar import read_cifar_batch
 from lightning_fedmeta.data.idx import check_idx_images, idx_labels_tensor, read_idx_arrays
 
 __all__ = [
@@ -135,8 +136,6 @@ def load_more_pixels(name: str, root: str | os.PathLike[str]) -> Pixels:
     """
     _check_name(name)
     if name == "cifar100":
-        from lightning_fedmeta.data.datasets import read_cifar_batch  # datasets.py imports this module
-
         paths = _cifar100_paths(root)
         if not all(p.is_file() for p in paths):
             raise _missing(name, paths)

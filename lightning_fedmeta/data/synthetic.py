@@ -33,7 +33,7 @@ import torch
 
 from lightning_fedmeta.data.federated import FederatedData
 
-__all__ = ["make_synthetic"]
+__all__ = ["make_synthetic", "split_client"]
 
 #: one client's ``(train_x, train_y, test_x, test_y)``
 _Client = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -106,13 +106,12 @@ def _check_arguments(
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
 
 
-def _shuffle_and_split(
-    rng: np.random.Generator, x: np.ndarray, y: np.ndarray, k: int, test_fraction: float
-) -> _Client:
-    """Client ``k``'s samples shuffled by ``rng`` and split into ``(train_x, train_y, test_x, test_y)``."""
+def split_client(
+    k: int, x: np.ndarray, y: np.ndarray, test_fraction: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Client ``k``'s ``(train_x, train_y, test_x, test_y)``: its first ``n_train = floor((1 - test_fraction) n)``
+    samples train, the rest test. Raises ``ValueError`` when either part would be empty."""
     n = x.shape[0]
-    order = rng.permutation(n)
-    x, y = x[order], y[order]
     n_train = int((1.0 - test_fraction) * n)
     if n_train < 1 or n_train >= n:
         raise ValueError(
@@ -120,6 +119,15 @@ def _shuffle_and_split(
             f"{n - n_train} test samples; both must be >= 1"
         )
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def _shuffle_and_split(
+    rng: np.random.Generator, x: np.ndarray, y: np.ndarray, k: int, test_fraction: float
+) -> _Client:
+    """Client ``k``'s samples shuffled by ``rng`` and split into ``(train_x, train_y, test_x, test_y)``
+    (:func:`split_client`)."""
+    order = rng.permutation(x.shape[0])
+    return split_client(k, x[order], y[order], test_fraction)
 
 
 def _assemble(clients: list[_Client], num_classes: int) -> FederatedData:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from lightning_fedmeta.data.federated import FederatedData
+from lightning_fedmeta.data.synthetic import split_client
 
 __all__ = [
     "bayes_accuracy",
@@ -67,20 +68,6 @@ def _check_fraction(test_fraction: float) -> None:
 def _client_sizes(rng: np.random.Generator, num_clients: int) -> np.ndarray:
     """``n_k = floor(LogNormal(mu=4, sigma=2)) + 50`` (FedProx's power-law-like client sizes)."""
     return rng.lognormal(4.0, 2.0, num_clients).astype(np.int64) + 50
-
-
-def _split(
-    k: int, x: np.ndarray, y: np.ndarray, test_fraction: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The first ``floor((1 - test_fraction) n)`` samples train, the rest test (samples are i.i.d.)."""
-    n = x.shape[0]
-    n_train = int((1.0 - test_fraction) * n)
-    if n_train < 1 or n_train >= n:
-        raise ValueError(
-            f"test_fraction={test_fraction} leaves client {k} ({n} samples) with {n_train} train and "
-            f"{n - n_train} test samples; both must be >= 1"
-        )
-    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 
 def _assemble(
@@ -175,7 +162,7 @@ def make_synthetic_regression(
         y = z / scale + noise * rng.standard_normal(z.shape)
         if target_dim == 1:
             y = y[:, 0]
-        clients.append(_split(k, x, y, test_fraction))
+        clients.append(split_client(k, x, y, test_fraction))
     return _assemble(clients, torch.float32, torch.float32, None, "regression")
 
 
@@ -219,7 +206,7 @@ def make_synthetic_multilabel(
     xs, zs = _linear_clients(rng, alpha, beta, num_clients, dim, num_labels, float(shared))
     thresholds = np.quantile(np.concatenate(zs), 1.0 - positive_rate, axis=0)  # [C]
     clients = [
-        _split(k, x, (z > thresholds).astype(np.float32), test_fraction)
+        split_client(k, x, (z > thresholds).astype(np.float32), test_fraction)
         for k, (x, z) in enumerate(zip(xs, zs, strict=True))
     ]
     return _assemble(clients, torch.float32, torch.float32, num_labels, "multilabel")
@@ -370,5 +357,5 @@ def make_synthetic_next_token(
             u = rng.random(n)
             seq[:, t + 1] = np.minimum((u[:, None] >= cdf[seq[:, t]]).sum(axis=1), vocab_size - 1)
         y = seq[:, 1:] if targets == "sequence" else seq[:, -1]
-        clients.append(_split(k, seq[:, :-1], y, test_fraction))
+        clients.append(split_client(k, seq[:, :-1], y, test_fraction))
     return _assemble(clients, torch.long, torch.long, vocab_size, "next_token")

@@ -69,3 +69,14 @@ def test_weighted_sum_in_blocks_equals_the_whole_product(monkeypatch) -> None:
     blocked = functional.weighted_sum(weights, stacked)
     torch.testing.assert_close(blocked, whole, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(blocked, torch.tensordot(weights.double(), stacked, dims=1), rtol=1e-12, atol=1e-12)
+
+
+def test_batch_slice_cuts_every_field_along_the_step_axis() -> None:
+    x, y, mask = torch.arange(24.0).reshape(4, 1, 3, 2), torch.arange(12).reshape(4, 1, 3), torch.ones(4, 1, 3)
+    batches = Batch(x, y, mask)
+    tail = batches.slice(1)
+    assert isinstance(tail, Batch)
+    assert torch.equal(tail.x, x[1:]) and torch.equal(tail.y, y[1:]) and torch.equal(tail.mask, mask[1:])
+    middle = batches.slice(1, 3)
+    assert middle.x.shape[0] == 2 and torch.equal(middle.y, y[1:3])
+    assert batches.slice().x.shape == x.shape and batches.slice(4).x.shape[0] == 0
