@@ -58,6 +58,7 @@ __all__ = [
     "AGGREGATORS",
     "AggregatorSpec",
     "RobustRule",
+    "canonical_aggregator",
     "Mean",
     "Median",
     "TrimmedMean",
@@ -377,6 +378,18 @@ class AggregatorSpec:
 
 def _rebuild_spec(name: str, f: int | None, clip: float | None, options: dict[str, Any]) -> AggregatorSpec:
     return AggregatorSpec(name, f, clip, **options)
+
+
+def canonical_aggregator(value: Any) -> Any:
+    """``model.aggregator`` in the form its meaning is compared in (the checkpoint resume check): the rule's name,
+    ``f``, ``clip`` and every option with the rule's defaults filled in, so ``median`` and ``{name: median}`` are one
+    setting and a plugin rule's options are compared without being listed anywhere; as given when it does not
+    parse (the rule's package is not installed, say)."""
+    try:
+        spec = parse_aggregator(value)
+    except (ValueError, ImportError, TypeError):
+        return value
+    return {"name": spec.name, "f": spec.f, "clip": spec.clip, **spec.options}
 
 
 def _check_common(key: str, value: Any, where: str) -> Any:

@@ -371,3 +371,22 @@ def check_parts(name: str, parts: Any, n: int, num_clients: int) -> list[Tensor]
     if joined.numel() != joined.unique().numel():
         raise ValueError(f"partitioner {name!r} gives some rows to more than one client (or twice to one)")
     return out
+
+
+def canonical_options(kind: str, name: Any, options: Mapping[str, Any] | None) -> Any:
+    """``options`` of the dataset or partitioner (``kind``) registered as ``name``, with the defaults of its
+    signature filled in, so that settings that mean the same compare equal (the checkpoint resume check); as given
+    when ``name`` is not a registered name or the plugin cannot be loaded."""
+    if not isinstance(name, str) or (options is not None and not isinstance(options, Mapping)):
+        return options
+    try:
+        fn = load_dataset(name) if kind == "dataset" else load_partitioner(name)
+    except (ValueError, ImportError, TypeError):
+        return options
+    context = DATASET_CONTEXT if kind == "dataset" else PARTITION_CONTEXT
+    skip = () if kind == "dataset" else _first(fn)
+    target = fn if not inspect.isclass(fn) else fn.__init__
+    params = [p for p in inspect.signature(target).parameters.values()
+              if p.name not in ("self", *context, *skip) and p.default is not p.empty
+              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {**{p.name: p.default for p in params}, **dict(options or {})}
