@@ -16,7 +16,7 @@ import difflib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -32,7 +32,6 @@ __all__ = [
     "PARTITIONERS",
     "PARTITIONER_GROUP",
     "PluginRegistry",
-    "checked_kwargs",
     "ENTRY_POINT_GROUP",
     "DISABLE_PLUGINS_ENV",
     "AlgorithmEntry",
@@ -172,10 +171,10 @@ ALGORITHMS = PluginRegistry(ENTRY_POINT_GROUP, "algorithm", _is_algorithm, "an l
 #: robust aggregation rules (:mod:`lightning_fedmeta.robust`): classes built with their options, called on rows
 AGGREGATORS = PluginRegistry(AGGREGATOR_GROUP, "aggregator", callable,
                              "a class (or factory) whose instances combine rows: rule(rows, weights, f=, steps=)")
-#: named datasets (:mod:`lightning_fedmeta.data.registry`): callables returning a FederatedData
+#: named datasets (:mod:`lightning_fedmeta.data.plugins`): callables returning a FederatedData
 DATASETS = PluginRegistry(DATASET_GROUP, "dataset", callable,
                           "a callable returning a FederatedData or a FederatedDataset")
-#: label partitioners (:mod:`lightning_fedmeta.data.registry`): callables returning one index tensor per client
+#: label partitioners (:mod:`lightning_fedmeta.data.plugins`): callables returning one index tensor per client
 PARTITIONERS = PluginRegistry(PARTITIONER_GROUP, "partitioner", callable,
                               "a callable returning one index tensor per client")
 
@@ -200,23 +199,6 @@ def _load_entry(entry: AlgorithmEntry) -> type[Algorithm]:
 def load_algorithm(name: str) -> type[Algorithm]:
     """The class registered as ``name`` (or ``"distribution:name"``)."""
     return _load_entry(_resolve(name))
-
-
-def checked_kwargs(kind: str, name: str, factory: Callable[..., Any], options: Mapping[str, Any],
-                   skip: tuple[str, ...] = ()) -> None:
-    """Refuse ``options`` that ``factory`` (a plugin's class or function) does not accept, listing those it does.
-
-    ``skip`` are parameters the framework passes itself (not user options)."""
-    target = factory.__init__ if inspect.isclass(factory) else factory
-    sig = inspect.signature(target)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    allowed = [n for n, p in sig.parameters.items()
-               if n not in ("self", *skip) and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    unknown = [k for k in options if k not in allowed]
-    if unknown:
-        raise ValueError(f"{kind} {name!r} has no option(s) {', '.join(map(repr, unknown))}; "
-                         f"accepted: {', '.join(allowed) or '(none)'}")
 
 
 def create_algorithm(name: str, **hparams: Any) -> Algorithm:

@@ -214,3 +214,24 @@ def test_resume_settings_compare_plugin_options_with_their_defaults_filled() -> 
     a = canonical_settings("data", {"partition": "dirichlet"}, data_defaults)
     b = canonical_settings("data", {"partition": "dirichlet", "partition_options": {}}, data_defaults)
     assert a["partition_options"] == b["partition_options"] == {}
+
+
+def test_flower_config_takes_a_plugin_rules_options_as_written(site: Path, tmp_path: Path) -> None:
+    """The deployment config carries model.aggregator as one mapping, checked by the rule's constructor."""
+    pytest.importorskip("flwr")
+    from lightning_fedmeta.flower.config import load_config
+
+    mod = unique("flower_rule")
+    install_fake(site, "fake-flower-rule", "lightning_fedmeta.aggregators", {"shrunk": f"{mod}:Shrunk"}, {mod: RULE})
+
+    def config(factor: float) -> Path:
+        path = tmp_path / f"fedmeta_{factor}.yaml"
+        path.write_text("trainer: {max_steps: 2}\nmodel:\n  algorithm: fedavg\n  clients_per_round: 2\n"
+                        f"  aggregator: {{name: shrunk, factor: {factor}}}\n"
+                        "data: {dataset: synthetic, num_clients: 4, dataset_options: {}}\n")
+        return path
+
+    cfg = load_config(config(0.5))
+    assert cfg.module_options["aggregator"] == {"name": "shrunk", "factor": 0.5}
+    with pytest.raises(ValueError, match=r"model\.aggregator\.factor must be in \(0, 1\], got 2"):
+        load_config(config(2.0))

@@ -1,4 +1,4 @@
-"""fedmeta-quantity-skew: Dirichlet client sizes with IID labels, a lightning_fedmeta partitioner (``quantity_skew``)."""
+"""fedmeta-quantity-skew: Dirichlet client sizes, IID labels; a lightning_fedmeta partitioner (``quantity_skew``)."""
 
 from fedmeta_quantity_skew.partition import quantity_skew
 
