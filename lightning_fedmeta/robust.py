@@ -1,8 +1,11 @@
 """Byzantine-robust aggregation rules for the server's combination of client deltas.
 
 Every rule maps the round's client deltas ``rows [n, d]`` (one flattened parameter delta per
-client, :func:`flatten_rows`) to one update ``Δ [d]``; :func:`aggregate_rows` dispatches on an
-:class:`AggregatorSpec` (parsed from ``FederatedModule(aggregator=...)`` by :func:`parse_aggregator`).
+client, :func:`flatten_rows`) to one update ``Δ [d]``; :func:`aggregate_rows` calls the rule an
+:class:`AggregatorSpec` names (parsed from ``FederatedModule(aggregator=...)`` by :func:`parse_aggregator`). Every
+rule, built-in or an installed package's, is a class registered in the ``lightning_fedmeta.aggregators``
+entry-point group and built with its options (:class:`RobustRule` states the contract); the built-ins below are
+this package's own entries of that group.
 
 ========================  ================================================================  ==========
 rule                      Δ                                                                 weights
