@@ -64,6 +64,7 @@ __all__ = [
     "CHECKSUM_KEY",
     "CHECKSUM_SCHEME",
     "CODE_OR_PATH_SETTINGS",
+    "canonical_setting",
     "canonical_settings",
     "EVALUATION_ONLY_SETTINGS",
     "NOT_CHECKSUMMED",
@@ -757,14 +758,13 @@ def compare_settings(
     changeable: Mapping[str, str],
     defaults: Mapping[str, Any] | None = None,
     skip: Iterable[str] = (),
-    compared: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
 ) -> list[SettingDifference]:
     """Every key of ``given`` whose value differs from ``saved`` (a key the checkpoint lacks counts as its
     default in ``defaults``, the signature's: the option did not exist, so the run had its default), except
     private (``_``) keys and ``skip``. Keys only in ``saved`` are not compared (``given`` leaves them out, e.g.
-    an argument that was an object). A key in ``changeable`` is marked changeable, with the reason.
-    ``compared``: the forms of (saved, given) to compare where they hold the key (:func:`canonical_settings`);
-    the difference still reports the values as written."""
+    an argument that was an object). A key in ``changeable`` is marked changeable, with the reason. The
+    settings a plugin's options live in are compared in their canonical form (:func:`canonical_setting`: the
+    plugin's defaults filled in); a difference reports the values as written."""
     skipped = set(skip)
     out = []
     for key in sorted(given):
@@ -776,36 +776,38 @@ def compare_settings(
             before = defaults[key]
         else:
             continue
-        a, b = before, given[key]
-        if compared is not None and key in compared[0] and key in compared[1]:
-            a, b = compared[0][key], compared[1][key]
+        saved_side = {**(defaults or {}), **saved}
+        a = canonical_setting(prefix, key, before, saved_side)
+        b = canonical_setting(prefix, key, given[key], {**saved_side, **given})
         if plain_value(a) != plain_value(b):
             reason = changeable.get(key, "")
             out.append(SettingDifference(f"{prefix}.{key}", before, given[key], bool(reason), reason))
     return out
 
 
-def canonical_settings(prefix: str, settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` with the plugin-chosen ones in the form their meaning is compared in, generically (no option of
-    a plugin is listed here): ``model.aggregator`` as the rule's full option mapping
+def canonical_setting(prefix: str, key: str, value: Any, settings: Mapping[str, Any]) -> Any:
+    """``value`` of setting ``prefix.key`` in the form its meaning is compared in, generically (no option of a
+    plugin is listed here): ``model.aggregator`` as the rule's full option mapping
     (:func:`~lightning_fedmeta.robust.canonical_aggregator`), ``data.dataset_options`` / ``data.partition_options``
-    with the dataset's / partitioner's signature defaults filled in
-    (:func:`~lightning_fedmeta.data.plugins.canonical_options`). A key missing from ``settings`` is read as its
-    default in ``defaults``."""
-    out = dict(settings)
-    if prefix == "model" and ("aggregator" in out or "aggregator" in defaults):
+    with the signature defaults of the dataset / partitioner named in ``settings`` filled in
+    (:func:`~lightning_fedmeta.data.plugins.canonical_options`); any other value as it is."""
+    if prefix == "model" and key == "aggregator":
         from lightning_fedmeta.robust import canonical_aggregator
 
-        out["aggregator"] = canonical_aggregator(out.get("aggregator", defaults.get("aggregator")))
-    if prefix == "data":
+        return canonical_aggregator(value)
+    if prefix == "data" and key in ("dataset_options", "partition_options"):
         from lightning_fedmeta.data.plugins import canonical_options
 
-        for key, kind, name_key in (("dataset_options", "dataset", "dataset"),
-                                    ("partition_options", "partition", "partition")):
-            if key in out or key in defaults:
-                name = out.get(name_key, defaults.get(name_key))
-                out[key] = canonical_options(kind, name, out.get(key, defaults.get(key)))
-    return out
+        kind = "dataset" if key == "dataset_options" else "partition"
+        return canonical_options(kind, settings.get(kind), value)
+    return value
+
+
+def canonical_settings(prefix: str, settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Every setting of ``settings`` (a key it lacks read as its default in ``defaults``) in its canonical form
+    (:func:`canonical_setting`)."""
+    merged = {**defaults, **settings}
+    return {k: canonical_setting(prefix, k, v, merged) for k, v in merged.items()}
 
 
 def signature_defaults(cls: type) -> dict[str, Any]:
@@ -956,12 +958,9 @@ def check_resume_settings(candidate: ResumeCandidate, checkpoint: Mapping[str, A
     if missing:
         raise CheckpointSettingsError(incomplete_record_message(path, missing))
     saved_hp = dict(checkpoint.get("hyper_parameters") or {})
-    module_defaults = signature_defaults(candidate.module_class)
-    given_hp = dict(candidate.hparams)
     diffs = compare_settings(
-        "model", saved_hp, given_hp, model_allowed, module_defaults, _COMPARED_ELSEWHERE,
-        compared=(canonical_settings("model", saved_hp, module_defaults),
-                  canonical_settings("model", given_hp, module_defaults)),
+        "model", saved_hp, dict(candidate.hparams), model_allowed, signature_defaults(candidate.module_class),
+        _COMPARED_ELSEWHERE
     )
     saved_algorithm = saved.get("algorithm") or describe_algorithm(saved_hp.get("algorithm"))
     given_algorithm = describe_algorithm(candidate.algorithm)
@@ -971,12 +970,8 @@ def check_resume_settings(candidate: ResumeCandidate, checkpoint: Mapping[str, A
     saved_dm = checkpoint.get("datamodule_hyper_parameters")
     same_class = saved.get("datamodule_class") in (None, _class_path(datamodule))
     if datamodule is not None and saved_dm is not None and same_class and getattr(datamodule, "hparams", None):
-        data_defaults = signature_defaults(type(datamodule))
-        given_dm = dict(datamodule.hparams)
         diffs += compare_settings(
-            "data", saved_dm, given_dm, CHANGEABLE_DATA_SETTINGS, data_defaults,
-            compared=(canonical_settings("data", saved_dm, data_defaults),
-                      canonical_settings("data", given_dm, data_defaults)),
+            "data", saved_dm, dict(datamodule.hparams), CHANGEABLE_DATA_SETTINGS, signature_defaults(type(datamodule))
         )
     data = candidate.data
     rows = _saved_clients(engine)

@@ -235,3 +235,17 @@ def test_flower_config_takes_a_plugin_rules_options_as_written(site: Path, tmp_p
     assert cfg.module_options["aggregator"] == {"name": "shrunk", "factor": 0.5}
     with pytest.raises(ValueError, match=r"model\.aggregator\.factor must be in \(0, 1\], got 2"):
         load_config(config(2.0))
+
+
+def test_compare_settings_reads_plugin_option_mappings_in_canonical_form() -> None:
+    """What the CLI's and the module's resume checks call: equal meanings pass, a changed option is reported as
+    written."""
+    from lightning_fedmeta.checkpointing import compare_settings
+
+    saved = {"aggregator": {"name": "trimmed_mean", "beta": 0.1}}
+    assert compare_settings("model", saved, {"aggregator": "trimmed_mean"}, {}) == []
+    (diff,) = compare_settings("model", saved, {"aggregator": {"name": "trimmed_mean", "beta": 0.2}}, {})
+    assert (diff.name, diff.saved, diff.given, diff.changeable) == (
+        "model.aggregator", {"name": "trimmed_mean", "beta": 0.1}, {"name": "trimmed_mean", "beta": 0.2}, False)
+    data_saved = {"dataset": "synthetic", "dataset_options": None}
+    assert compare_settings("data", data_saved, {"dataset_options": {}}, {}) == []
