@@ -130,6 +130,10 @@ class PluginRegistry:
                     if _plugins_disabled() else "")
             close = difflib.get_close_matches(name.rpartition(":")[2], names, n=1, cutoff=0.6)
             suggestion = f"; did you mean {close[0]!r}?" if close else ""
+            if not any(e.builtin for e in entries):  # the installed metadata predates this group
+                hint += (f" (no built-in {self.kind} is registered: the installed metadata of {BUILTIN_DISTRIBUTION} "
+                         f"has no {self.group!r} entry points, it is older than its pyproject.toml; reinstall it, "
+                         "e.g. pip install --no-deps -e .)")
             raise ValueError(f"unknown {self.kind} {name!r}; available: {available}{hint}{suggestion}")
         if len(matches) > 1:
             chosen = matches[0]

@@ -294,7 +294,9 @@ def _load_rule(name: Any, where: str) -> Any:
         raise ValueError(f"{where}: unknown aggregator {name!r}; choose one of {', '.join(_installed())}")
     try:
         entry = REGISTRY.resolve(name)
-    except ValueError:
+    except ValueError as exc:
+        if not any(e.builtin for e in REGISTRY.list()):  # stale metadata: the registry's message says so
+            raise ValueError(f"{where}: {exc}") from None
         raise ValueError(f"{where}: unknown aggregator {name!r}; choose one of {', '.join(_installed())}") from None
     return REGISTRY.load_entry(entry)
 

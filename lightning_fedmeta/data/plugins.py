@@ -282,6 +282,8 @@ def _load(registry: Any, kind: str, name: str, builtins: Sequence[str]) -> Calla
     try:
         entry = registry.resolve(name)
     except ValueError:
+        if not any(e.builtin for e in registry.list()):  # stale metadata: the registry's message says so
+            raise
         installed = [*builtins, *(n for n in registry.names() if n not in builtins)]
         raise ValueError(f"unknown {kind} {name!r}; choose one of {installed}") from None
     return registry.load_entry(entry)
