@@ -64,6 +64,8 @@ __all__ = [
     "CHECKSUM_KEY",
     "CHECKSUM_SCHEME",
     "CODE_OR_PATH_SETTINGS",
+    "canonical_setting",
+    "canonical_settings",
     "EVALUATION_ONLY_SETTINGS",
     "NOT_CHECKSUMMED",
     "REPORTED_TRAINER_SETTINGS",
@@ -760,7 +762,9 @@ def compare_settings(
     """Every key of ``given`` whose value differs from ``saved`` (a key the checkpoint lacks counts as its
     default in ``defaults``, the signature's: the option did not exist, so the run had its default), except
     private (``_``) keys and ``skip``. Keys only in ``saved`` are not compared (``given`` leaves them out, e.g.
-    an argument that was an object). A key in ``changeable`` is marked changeable, with the reason."""
+    an argument that was an object). A key in ``changeable`` is marked changeable, with the reason. The
+    settings a plugin's options live in are compared in their canonical form (:func:`canonical_setting`: the
+    plugin's defaults filled in); a difference reports the values as written."""
     skipped = set(skip)
     out = []
     for key in sorted(given):
@@ -772,10 +776,38 @@ def compare_settings(
             before = defaults[key]
         else:
             continue
-        if plain_value(before) != plain_value(given[key]):
+        saved_side = {**(defaults or {}), **saved}
+        a = canonical_setting(prefix, key, before, saved_side)
+        b = canonical_setting(prefix, key, given[key], {**saved_side, **given})
+        if plain_value(a) != plain_value(b):
             reason = changeable.get(key, "")
             out.append(SettingDifference(f"{prefix}.{key}", before, given[key], bool(reason), reason))
     return out
+
+
+def canonical_setting(prefix: str, key: str, value: Any, settings: Mapping[str, Any]) -> Any:
+    """``value`` of setting ``prefix.key`` in the form its meaning is compared in, generically (no option of a
+    plugin is listed here): ``model.aggregator`` as the rule's full option mapping
+    (:func:`~lightning_fedmeta.robust.canonical_aggregator`), ``data.dataset_options`` / ``data.partition_options``
+    with the signature defaults of the dataset / partitioner named in ``settings`` filled in
+    (:func:`~lightning_fedmeta.data.plugins.canonical_options`); any other value as it is."""
+    if prefix == "model" and key == "aggregator":
+        from lightning_fedmeta.robust import canonical_aggregator
+
+        return canonical_aggregator(value)
+    if prefix == "data" and key in ("dataset_options", "partition_options"):
+        from lightning_fedmeta.data.plugins import canonical_options
+
+        kind = "dataset" if key == "dataset_options" else "partition"
+        return canonical_options(kind, settings.get(kind), value)
+    return value
+
+
+def canonical_settings(prefix: str, settings: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Every setting of ``settings`` (a key it lacks read as its default in ``defaults``) in its canonical form
+    (:func:`canonical_setting`)."""
+    merged = {**defaults, **settings}
+    return {k: canonical_setting(prefix, k, v, merged) for k, v in merged.items()}
 
 
 def signature_defaults(cls: type) -> dict[str, Any]:

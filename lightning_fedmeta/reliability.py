@@ -10,7 +10,8 @@ the server's stages:
     Δ_i   ← attack(Δ_i)                    Byzantine clients' uploads replaced  (model.byzantine, model poisoning)
     Δ_i   ← Δ_i · min(1, C / ‖Δ_i‖)        client-level DP clipping             (model.dp; C adaptive or fixed)
     Δ     = rule({Δ_i}, p)                 mean (the algorithm's own aggregate), median, trimmed mean, Krum,
-                                           Multi-Krum, Bulyan, geometric median, FedNova  (model.aggregator)
+                                           Multi-Krum, Bulyan, geometric median, FedNova, or an installed
+                                           package's rule (lightning_fedmeta.aggregators)  (model.aggregator)
     Δ     ← Δ + (σ_Δ C / m) ξ,  ξ ~ N(0, I)   DP noise on the sum, m = clients sampled per round
 
 Combinations that cannot mean what they say are refused at setup by :meth:`Reliability.check`.

@@ -1,8 +1,11 @@
 """Byzantine-robust aggregation rules for the server's combination of client deltas.
 
 Every rule maps the round's client deltas ``rows [n, d]`` (one flattened parameter delta per
-client, :func:`flatten_rows`) to one update ``Δ [d]``; :func:`aggregate_rows` dispatches on an
-:class:`AggregatorSpec` (parsed from ``FederatedModule(aggregator=...)`` by :func:`parse_aggregator`).
+client, :func:`flatten_rows`) to one update ``Δ [d]``; :func:`aggregate_rows` calls the rule an
+:class:`AggregatorSpec` names (parsed from ``FederatedModule(aggregator=...)`` by :func:`parse_aggregator`). Every
+rule, built-in or an installed package's, is a class registered in the ``lightning_fedmeta.aggregators``
+entry-point group and built with its options (:class:`RobustRule` states the contract); the built-ins below are
+this package's own entries of that group.
 
 ========================  ================================================================  ==========
 rule                      Δ                                                                 weights
@@ -43,10 +46,11 @@ References:
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -56,6 +60,16 @@ from lightning_fedmeta.functional import weighted_sum
 __all__ = [
     "AGGREGATORS",
     "AggregatorSpec",
+    "RobustRule",
+    "canonical_aggregator",
+    "Mean",
+    "Median",
+    "TrimmedMean",
+    "Krum",
+    "MultiKrum",
+    "Bulyan",
+    "GeometricMedian",
+    "FedNova",
     "parse_aggregator",
     "check_aggregator",
     "flatten_rows",
@@ -72,6 +86,7 @@ __all__ = [
     "fednova",
 ]
 
+#: the built-in rules (each registered in the ``lightning_fedmeta.aggregators`` entry-point group, as a plugin's)
 AGGREGATORS: tuple[str, ...] = (
     "mean",
     "median",
@@ -83,48 +98,163 @@ AGGREGATORS: tuple[str, ...] = (
     "fednova",
 )
 
-#: the keys each rule accepts besides ``name`` and ``clip``
-_RULE_KEYS: dict[str, tuple[str, ...]] = {
-    "mean": (),
-    "median": (),
-    "trimmed_mean": ("beta",),
-    "krum": ("f",),
-    "multi_krum": ("f", "m"),
-    "bulyan": ("f",),
-    "geometric_median": ("iterations", "eps"),
-    "fednova": (),
-}
-_NEEDS_F = ("krum", "multi_krum", "bulyan")
 
+class RobustRule:
+    """The contract of an aggregation rule (``lightning_fedmeta.aggregators`` entry points).
 
-@dataclass(frozen=True)
-class AggregatorSpec:
-    """Which rule combines the round's client deltas, and its parameters.
+    A rule is a class registered under its name; ``model.aggregator: {name: <name>, <option>: <value>}`` builds
+    it as ``Rule(**options)`` (its constructor's keyword arguments are its options, validated there: a
+    ``ValueError`` whose message starts with the option's name is reported as ``model.aggregator.<message>``).
+    ``rule(rows, weights, f=f, steps=steps)`` maps the round's client deltas ``rows [n, d]`` and weights ``[n]``
+    (summing to 1) to the update ``Δ [d]``. Subclassing is optional; these are the attributes read (with these
+    defaults):
 
-    Attributes:
-        name: one of :data:`AGGREGATORS`.
-        beta: ``trimmed_mean``: the fraction trimmed at each end of every coordinate, in [0, 0.5).
-        f: ``krum``/``multi_krum``/``bulyan``: Byzantine updates assumed per round (``None``: the
-            module fills it from ``byzantine``).
-        m: ``multi_krum``: the number of rows averaged (``None``: ``n − f``).
-        clip: every row is first clipped to this L2 norm (any rule); ``None``: no clipping.
-        iterations: ``geometric_median``: the most Weiszfeld iterations.
-        eps: ``geometric_median``: the smoothing ν of the distances and the relative tolerance on a step
-            that stops the iterations.
+    * ``weighted``: ``False``: the rule is unweighted; rows of weight 0 (clients that did not upload) are
+      dropped before it is called. ``True``: it gets every row with its weight.
+    * ``needs_f``: the rule takes ``f``, the Byzantine updates per round (``model.aggregator.f``, else from
+      ``model.byzantine``); without it ``model.aggregator.f`` is refused.
+    * ``needs_steps``: the rule reads ``steps [n]``, the local steps each client took (FedNova).
+    * ``exchangeable``: the result does not depend on the order of the rows (``True``); ``False`` where a tie
+      broken by the lowest row index occurs on generic data (Bulyan's last selections compare the two rows of the
+      closest pair, whose scores are equal).
+    * ``average_statistics``: the clients' BatchNorm statistics are averaged with the weights rather than passed
+      through the rule (a re-weighting, not a defence).
+    * ``check(n, f)``: raises ``ValueError`` when the rule cannot run on ``n`` rows of which ``f`` are Byzantine
+      (the round is then skipped; at setup the run is refused).
     """
 
-    name: str = "mean"
-    beta: float = 0.1
-    f: int | None = None
-    m: int | None = None
-    clip: float | None = None
-    iterations: int = 100
-    eps: float = 1e-8
+    weighted: ClassVar[bool] = False
+    needs_f: ClassVar[bool] = False
+    needs_steps: ClassVar[bool] = False
+    exchangeable: ClassVar[bool] = True
+    average_statistics: ClassVar[bool] = False
 
-    @property
-    def needs_f(self) -> bool:
-        """Whether the rule needs the number f of Byzantine updates (krum, multi_krum, bulyan)."""
-        return self.name in _NEEDS_F
+    def check(self, n: int, f: int) -> None:
+        """Raise ``ValueError`` when the rule cannot combine ``n`` rows, ``f`` of them Byzantine."""
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+
+class Mean(RobustRule):
+    """``Σ_i w_i Δ_i`` (FedAvg's weighted mean; with ``clip``, the mean of norm-bounded updates)."""
+
+    weighted = True
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return weighted_sum(weights, rows)
+
+
+class Median(RobustRule):
+    """Coordinate-wise median (:func:`coordinate_median`)."""
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return coordinate_median(rows)
+
+
+class TrimmedMean(RobustRule):
+    """Coordinate-wise β-trimmed mean (:func:`trimmed_mean`); ``beta`` in [0, 0.5)."""
+
+    def __init__(self, beta: float = 0.1) -> None:
+        if not _is_number(beta) or not 0.0 <= float(beta) < 0.5:
+            raise ValueError(f"beta must be a number in [0, 0.5), got {beta!r}")
+        self.beta = float(beta)
+
+    def check(self, n: int, f: int) -> None:
+        trimmed = _trim_count(self.beta, n)
+        if 2 * trimmed >= n:
+            raise ValueError(
+                f"beta={self.beta} trims 2*floor(beta*n) = {2 * trimmed} of n={n} updates (f={f}): "
+                f"nothing is left; need 2*floor(beta*n) < n (lower beta or sample more clients per round)"
+            )
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return trimmed_mean(rows, self.beta)
+
+
+class _KrumFamily(RobustRule):
+    needs_f = True
+    label = "krum"
+
+    def check(self, n: int, f: int) -> None:
+        if not n > 2 * f + 2:
+            raise ValueError(
+                f"{self.label} needs n > 2f + 2 updates per round, got n={n}, f={f} (2f + 2 = {2 * f + 2}); "
+                "sample more clients per round or assume fewer Byzantine updates (f)"
+            )
+
+
+class Krum(_KrumFamily):
+    """Krum (:func:`krum`); needs ``n > 2f + 2``."""
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return krum(rows, f)
+
+
+class MultiKrum(_KrumFamily):
+    """Multi-Krum (:func:`multi_krum`): the mean of the ``m`` best-scored rows (``None``: ``n − f``)."""
+
+    label = "multi_krum"
+
+    def __init__(self, m: int | None = None) -> None:
+        if m is not None and (not _is_int(m) or m < 1):
+            raise ValueError(f"m must be an integer >= 1 (or null: n - f), got {m!r}")
+        self.m = m
+
+    def check(self, n: int, f: int) -> None:
+        super().check(n, f)
+        if self.m is not None and not 1 <= self.m <= n - f:
+            raise ValueError(f"m must be in [1, n - f] = [1, {n - f}] with n={n}, f={f}, got m={self.m}")
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return multi_krum(rows, f, self.m)
+
+
+class Bulyan(RobustRule):
+    """Bulyan over Krum (:func:`bulyan`); needs ``n ≥ 4f + 3``. Not exchangeable: its last Krum selections score
+    the rows by their nearest neighbour, so the two rows of the closest pair tie and the lower index is taken."""
+
+    needs_f = True
+    exchangeable = False
+
+    def check(self, n: int, f: int) -> None:
+        if not n >= 4 * f + 3:
+            raise ValueError(
+                f"bulyan needs n >= 4f + 3 updates per round, got n={n}, f={f} (4f + 3 = {4 * f + 3}); "
+                "sample more clients per round or assume fewer Byzantine updates (f)"
+            )
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return bulyan(rows, f)
+
+
+class GeometricMedian(RobustRule):
+    """Weighted geometric median by smoothed Weiszfeld (:func:`geometric_median`)."""
+
+    weighted = True
+
+    def __init__(self, iterations: int = 100, eps: float = 1e-8) -> None:
+        if not _is_int(iterations) or iterations < 1:
+            raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+        if not _is_number(eps) or not math.isfinite(float(eps)) or float(eps) <= 0:
+            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        self.iterations, self.eps = iterations, float(eps)
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        return geometric_median(rows, weights, self.iterations, self.eps)
+
+
+class FedNova(RobustRule):
+    """FedNova's normalised averaging (:func:`fednova`); reads the clients' local steps."""
+
+    weighted = True
+    needs_steps = True
+    average_statistics = True
+
+    def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
+        if steps is None:
+            raise ValueError("aggregate_rows: fednova needs the local steps each client took (steps)")
+        return fednova(rows, weights, steps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,46 +268,151 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_value(name: str, key: str, value: Any, option: str) -> Any:
-    """``value`` of ``key`` for rule ``name``, validated (a ValueError naming ``option.key`` otherwise)."""
-    where = f"{option}.{key}"
-    if key == "beta":
-        if not _is_number(value) or not 0.0 <= float(value) < 0.5:
-            raise ValueError(f"{where} must be a number in [0, 0.5), got {value!r}")
-        return float(value)
+def _rule_options(cls: Any) -> dict[str, Any]:
+    """The options a rule's constructor takes, with their defaults (``inspect.Parameter.empty``: required)."""
+    target = cls.__init__ if inspect.isclass(cls) else cls
+    if target is object.__init__:
+        return {}
+    params = inspect.signature(target).parameters
+    return {n: p.default for n, p in params.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _named(option: str, message: str, keys: Any) -> str:
+    """``message`` under ``option``: ``option.<message>`` when it starts with one of ``keys``, else
+    ``option: <message>``."""
+    for key in keys:
+        if re.match(rf"{re.escape(key)}\b(?![.(])", message):
+            return f"{option}.{message}"
+    return f"{option}: {message}"
+
+
+def _load_rule(name: Any, where: str) -> Any:
+    from lightning_fedmeta.registry import AGGREGATORS as REGISTRY
+
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: unknown aggregator {name!r}; choose one of {', '.join(_installed())}")
+    try:
+        entry = REGISTRY.resolve(name)
+    except ValueError as exc:
+        if not any(e.builtin for e in REGISTRY.list()):  # stale metadata: the registry's message says so
+            raise ValueError(f"{where}: {exc}") from None
+        raise ValueError(f"{where}: unknown aggregator {name!r}; choose one of {', '.join(_installed())}") from None
+    return REGISTRY.load_entry(entry)
+
+
+def _installed() -> list[str]:
+    """Built-in rules first (in :data:`AGGREGATORS` order), then the installed plugins' by name."""
+    from lightning_fedmeta.registry import AGGREGATORS as REGISTRY
+
+    return [*AGGREGATORS, *(n for n in REGISTRY.names() if n not in AGGREGATORS)]
+
+
+class AggregatorSpec:
+    """Which rule combines the round's client deltas, and its options.
+
+    ``AggregatorSpec(name, f=None, clip=None, **options)``. ``f`` and ``clip`` apply to every rule; ``options`` are
+    the rule's own (its constructor's keyword arguments), held with the rule's defaults filled in, and read as
+    attributes (``spec.beta``).
+
+    Attributes:
+        name: a registered rule (:data:`AGGREGATORS` or a plugin's ``lightning_fedmeta.aggregators`` entry point).
+        f: rules with ``needs_f`` (``krum``, ``multi_krum``, ``bulyan``): Byzantine updates assumed per round
+            (``None``: the module fills it from ``byzantine``).
+        clip: every row is first clipped to this L2 norm (any rule); ``None``: no clipping.
+        options: the rule's options (``trimmed_mean``: ``beta``; ``multi_krum``: ``m``; ``geometric_median``:
+            ``iterations``, ``eps``; a plugin's: its own).
+    """
+
+    __slots__ = ("name", "f", "clip", "options", "rule_class")
+
+    def __init__(self, name: str = "mean", f: int | None = None, clip: float | None = None, **options: Any) -> None:
+        cls = _load_rule(name, "model.aggregator.name")
+        known = _rule_options(cls)
+        missing = [k for k, v in known.items() if v is inspect.Parameter.empty and k not in options]
+        if missing:
+            raise ValueError(f"model.aggregator: the {name} rule needs {', '.join(missing)}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "f", f)
+        object.__setattr__(self, "clip", clip)
+        object.__setattr__(self, "options", {**{k: v for k, v in known.items() if k not in missing}, **options})
+        object.__setattr__(self, "rule_class", cls)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("AggregatorSpec is immutable")
+
+    def __getattr__(self, key: str) -> Any:
+        options = object.__getattribute__(self, "options")
+        if key in options:
+            return options[key]
+        raise AttributeError(f"the {object.__getattribute__(self, 'name')} rule has no option {key!r}")
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.name, self.f, self.clip, tuple(sorted(self.options.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AggregatorSpec) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"AggregatorSpec({self.name!r}, f={self.f!r}, clip={self.clip!r}{extra})"
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_spec, (self.name, self.f, self.clip, dict(self.options)))
+
+    @property
+    def needs_f(self) -> bool:
+        """Whether the rule needs the number f of Byzantine updates (krum, multi_krum, bulyan)."""
+        return bool(getattr(self.rule_class, "needs_f", False))
+
+    def given(self) -> dict[str, Any]:
+        """The spec as a user would write it: ``name`` and every value that differs from its default."""
+        defaults = _rule_options(self.rule_class)
+        out: dict[str, Any] = {"name": self.name}
+        out.update({k: v for k, v in (("f", self.f), ("clip", self.clip)) if v is not None})
+        out.update({k: v for k, v in self.options.items() if defaults.get(k) != v})
+        return out
+
+    def rule(self) -> Any:
+        """The rule built with its options (``rule_class(**options)``)."""
+        return self.rule_class(**self.options)
+
+
+def _rebuild_spec(name: str, f: int | None, clip: float | None, options: dict[str, Any]) -> AggregatorSpec:
+    return AggregatorSpec(name, f, clip, **options)
+
+
+def canonical_aggregator(value: Any) -> Any:
+    """``model.aggregator`` in the form its meaning is compared in (the checkpoint resume check): the rule's name,
+    ``f``, ``clip`` and every option with the rule's defaults filled in, so ``median`` and ``{name: median}`` are one
+    setting and a plugin rule's options are compared without being listed anywhere; as given when it does not
+    parse (the rule's package is not installed, say)."""
+    try:
+        spec = parse_aggregator(value)
+    except (ValueError, ImportError, TypeError):
+        return value
+    return {"name": spec.name, "f": spec.f, "clip": spec.clip, **spec.options}
+
+
+def _check_common(key: str, value: Any, where: str) -> Any:
     if key == "f":
         if value is None:
             return None
         if not _is_int(value) or value < 0:
             raise ValueError(f"{where} must be an integer >= 0 (or null: taken from model.byzantine), got {value!r}")
         return value
-    if key == "m":
-        if value is None:
-            return None
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{where} must be an integer >= 1 (or null: n - f), got {value!r}")
-        return value
-    if key == "clip":
-        if value is None:
-            return None
-        if not _is_number(value) or not math.isfinite(float(value)) or float(value) <= 0:
-            raise ValueError(f"{where} must be a finite number > 0 (or null: no clipping), got {value!r}")
-        return float(value)
-    if key == "iterations":
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{where} must be an integer >= 1, got {value!r}")
-        return value
-    if key == "eps":
-        if not _is_number(value) or not math.isfinite(float(value)) or float(value) <= 0:
-            raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
-        return float(value)
-    raise AssertionError(key)  # pragma: no cover - keys are filtered by the caller
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(float(value)) or float(value) <= 0:
+        raise ValueError(f"{where} must be a finite number > 0 (or null: no clipping), got {value!r}")
+    return float(value)
 
 
-def _check_name(name: Any, where: str) -> str:
-    if not isinstance(name, str) or name not in AGGREGATORS:
-        raise ValueError(f"{where}: unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
-    return name
+#: the options of the built-in rules, for naming a key that belongs to another rule
+_BUILTIN_KEYS = ("beta", "m", "iterations", "eps", "f")
 
 
 def parse_aggregator(spec: str | Mapping[str, Any] | AggregatorSpec | None,
@@ -185,40 +420,54 @@ def parse_aggregator(spec: str | Mapping[str, Any] | AggregatorSpec | None,
     """The :class:`AggregatorSpec` a user wrote: ``None`` (mean), a rule's name, or a mapping
     ``{"name": ..., key: value}`` (``name`` defaults to ``"mean"``).
 
-    Only the keys of the chosen rule are accepted (``clip`` for every rule, ``beta`` for
-    ``trimmed_mean``, ``f`` for ``krum``/``multi_krum``/``bulyan``, ``m`` for ``multi_krum``,
-    ``iterations`` and ``eps`` for ``geometric_median``). An unknown name, an unknown key, a key of
-    another rule, a wrong type or an out-of-range value is a ``ValueError`` naming ``option.key``.
-    An :class:`AggregatorSpec` is validated the same way and returned.
+    The rule is looked up in the ``lightning_fedmeta.aggregators`` entry-point group (built-ins and plugins
+    alike). ``clip`` is accepted for every rule, ``f`` for rules with ``needs_f``, and otherwise only the keys the
+    rule's constructor takes (``beta`` for ``trimmed_mean``, ``m`` for ``multi_krum``, ``iterations`` and ``eps``
+    for ``geometric_median``); the constructor validates their values. An unknown name (the message lists the
+    installed rules), an unknown key, a key of another rule, a wrong type or an out-of-range value is a
+    ``ValueError`` naming ``option.key``. An :class:`AggregatorSpec` is validated the same way and returned.
     """
     if spec is None:
-        return AggregatorSpec()
+        spec = "mean"
     if isinstance(spec, AggregatorSpec):
-        defaults = AggregatorSpec()
-        given = {k.name: getattr(spec, k.name) for k in fields(spec)
-                 if k.name == "name" or getattr(spec, k.name) != getattr(defaults, k.name)}
-        return parse_aggregator(given, option)
+        return parse_aggregator(spec.given(), option)
     if isinstance(spec, str):
-        return AggregatorSpec(name=_check_name(spec, option))
+        spec = {"name": spec}
     if not isinstance(spec, Mapping):
         raise ValueError(f"{option} must be a rule's name, a mapping with 'name' and its parameters, or null; "
                          f"got {type(spec).__name__} {spec!r}")
-    name = _check_name(spec.get("name", "mean"), f"{option}.name")
-    allowed = ("name", "clip", *_RULE_KEYS[name])
-    known = {k.name for k in fields(AggregatorSpec)}
-    values: dict[str, Any] = {"name": name}
+    name = spec.get("name", "mean")
+    where = f"{option}.name" if "name" in spec and not isinstance(name, str) else option
+    cls = _load_rule(name, where)
+    own = _rule_options(cls)
+    needs_f = bool(getattr(cls, "needs_f", False))
+    allowed = ("name", "clip", *(("f",) if needs_f else ()), *own)
+    common: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     for key, value in spec.items():
-        if not isinstance(key, str) or key not in known:
-            raise ValueError(f"{option}.{key}: unknown key; {name} accepts {', '.join(allowed)}")
+        if key == "name":
+            continue
         if key not in allowed:
-            raise ValueError(f"{option}.{key} does not apply to the {name} rule; {name} accepts {', '.join(allowed)}")
-        if key != "name":
-            values[key] = _check_value(name, key, value, option)
-    return AggregatorSpec(**values)
+            if isinstance(key, str) and key in _BUILTIN_KEYS:
+                raise ValueError(f"{option}.{key} does not apply to the {name} rule; {name} accepts "
+                                 f"{', '.join(allowed)}")
+            raise ValueError(f"{option}.{key}: unknown key; {name} accepts {', '.join(allowed)}")
+        if key in ("f", "clip"):
+            common[key] = _check_common(key, value, f"{option}.{key}")
+        else:
+            options[key] = value
+    try:
+        cls(**options)  # the rule's constructor validates its options
+    except ValueError as exc:
+        raise ValueError(_named(option, str(exc), own)) from None
+    except TypeError as exc:
+        raise ValueError(f"{option}: the {name} rule refused its options {options!r}: {exc}") from None
+    return AggregatorSpec(name, common.get("f"), common.get("clip"), **options)
 
 
 def check_aggregator(spec: AggregatorSpec, n: int, f: int, option: str = "model.aggregator") -> None:
-    """Refuse a rule that cannot run on ``n`` updates of which ``f`` may be Byzantine.
+    """Refuse a rule that cannot run on ``n`` updates of which ``f`` may be Byzantine: ``n >= 1``, ``f >= 0``,
+    then the rule's own ``check(n, f)``:
 
     * ``krum``, ``multi_krum``: ``n > 2f + 2`` (Blanchard et al. 2017, Prop. 1: the score sums over
       the ``n − f − 2`` nearest others);
@@ -232,26 +481,13 @@ def check_aggregator(spec: AggregatorSpec, n: int, f: int, option: str = "model.
         raise ValueError(f"{option}: the number of updates per round must be >= 1, got n={n!r}")
     if not _is_int(f) or f < 0:
         raise ValueError(f"{option}.f must be an integer >= 0, got f={f!r}")
-    name = spec.name
-    if name in ("krum", "multi_krum") and not n > 2 * f + 2:
-        raise ValueError(
-            f"{option}: {name} needs n > 2f + 2 updates per round, got n={n}, f={f} (2f + 2 = {2 * f + 2}); "
-            f"sample more clients per round or assume fewer Byzantine updates ({option}.f)"
-        )
-    if name == "bulyan" and not n >= 4 * f + 3:
-        raise ValueError(
-            f"{option}: bulyan needs n >= 4f + 3 updates per round, got n={n}, f={f} (4f + 3 = {4 * f + 3}); "
-            f"sample more clients per round or assume fewer Byzantine updates ({option}.f)"
-        )
-    if name == "multi_krum" and spec.m is not None and not 1 <= spec.m <= n - f:
-        raise ValueError(f"{option}.m must be in [1, n - f] = [1, {n - f}] with n={n}, f={f}, got m={spec.m}")
-    if name == "trimmed_mean":
-        trimmed = _trim_count(spec.beta, n)
-        if 2 * trimmed >= n:
-            raise ValueError(
-                f"{option}.beta={spec.beta} trims 2*floor(beta*n) = {2 * trimmed} of n={n} updates (f={f}): "
-                f"nothing is left; need 2*floor(beta*n) < n (lower beta or sample more clients per round)"
-            )
+    try:
+        rule = spec.rule()  # a hand-made spec's options are validated here, as parse_aggregator validates them
+        check = getattr(rule, "check", None)
+        if check is not None:
+            check(n, f)
+    except ValueError as exc:
+        raise ValueError(_named(option, str(exc), (*spec.options, "f"))) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,29 +706,13 @@ def aggregate_rows(
                          f"and {tuple(weights.shape)}")
     if spec.clip is not None:
         rows = clip_rows(rows, spec.clip)
-    name = spec.name
-    if name == "mean":
-        return weighted_sum(weights, rows)
-    if name == "geometric_median":
-        return geometric_median(rows, weights, spec.iterations, spec.eps)
-    if name == "fednova":
-        if steps is None:
-            raise ValueError("aggregate_rows: fednova needs the local steps each client took (steps)")
-        return fednova(rows, weights, steps)
-    present = weights > 0
-    if not bool(present.all()):
-        rows = rows[present.to(rows.device)]
-    n = rows.shape[0]
+    rule = spec.rule()
     f_used = spec.f if spec.f is not None else f
-    check_aggregator(spec, n, f_used)
-    if name == "median":
-        return coordinate_median(rows)
-    if name == "trimmed_mean":
-        return trimmed_mean(rows, spec.beta)
-    if name == "krum":
-        return krum(rows, f_used)
-    if name == "multi_krum":
-        return multi_krum(rows, f_used, spec.m)
-    if name == "bulyan":
-        return bulyan(rows, f_used)
-    raise ValueError(f"aggregate_rows: unknown aggregator {name!r}; choose one of {', '.join(AGGREGATORS)}")
+    if not getattr(rule, "weighted", False):
+        present = weights > 0
+        if not bool(present.all()):
+            rows, weights = rows[present.to(rows.device)], weights[present]
+        check_aggregator(spec, rows.shape[0], f_used)
+    if getattr(rule, "needs_steps", False) and steps is None:
+        raise ValueError(f"aggregate_rows: {spec.name} needs the local steps each client took (steps)")
+    return rule(rows, weights, f=f_used, steps=steps)

@@ -79,8 +79,11 @@ __all__ = [
     "AlgorithmSpec",
     "QuadraticClient",
     "TinyClients",
+    "check_aggregator",
     "check_algorithm",
     "check_bf16",
+    "check_dataset",
+    "check_partitioner",
     "check_loop_equals_vmap",
     "check_personalize_matches_evaluation",
     "check_resume_is_bit_exact",
@@ -1127,3 +1130,255 @@ def _with_population_view(setup: _Setup, module: FederatedModule, c: int) -> dic
                                    for a in (full, mine))
     pairs["personalize"] = tuple(a.personalize(ctx, params, batch, state, server_state, now) for a in (full, mine))
     return pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# the other extension points: robust rules, datasets, partitioners (docs/plugins.md)
+# ----------------------------------------------------------------------------------------------
+def _plugin_failure(kind: str, name: str, check: str, problem: str) -> AssertionError:
+    return AssertionError(f"{kind} {name!r} failed {check}: {problem}")
+
+
+def _short_fit(data_module: FederatedDataModule, rounds: int = 2, **module_options: Any) -> FederatedModule:
+    """A few rounds of FedAvg on ``data_module``; the model's parameters must stay finite."""
+    torch.manual_seed(0)
+    module = FederatedModule(**module_options)
+    with tempfile.TemporaryDirectory() as root, _quiet():
+        trainer = _trainer(rounds, root)
+        trainer.fit(module, data_module)
+    if trainer.global_step != rounds:
+        raise AssertionError(f"the fit ran {trainer.global_step} rounds of {rounds}")
+    bad = [k for k, v in module.model.state_dict().items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise AssertionError(f"after {rounds} rounds the model has non-finite {', '.join(bad)}")
+    return module
+
+
+def check_aggregator(spec: str | Mapping[str, Any], *, n: int = 9, d: int = 6, f: int = 1, seed: int = 0,
+                     atol: float = 1e-6, fit: bool = True) -> None:
+    """Check a robust aggregation rule (``lightning_fedmeta.aggregators``) keeps the contract the server relies on;
+    raise ``AssertionError`` naming the rule, the check and what broke.
+
+    ``spec`` is what a user writes as ``model.aggregator`` (a name, or ``{"name": ..., <options>}``). On ``n``
+    random rows ``[n, d]`` (float32 and float64) with weights summing to 1 and ``f`` assumed Byzantine updates:
+
+    * ``parse``: the name resolves and the options are accepted (:func:`~lightning_fedmeta.robust.parse_aggregator`);
+    * ``shape``: ``rule(rows, weights, f=, steps=)`` returns a finite ``[d]`` tensor of the rows' dtype and leaves
+      its inputs unchanged;
+    * ``determinism``: a second call returns the same tensor, bit for bit;
+    * ``permutation``: clients are exchangeable: permuting the rows (with their weights and steps) changes the
+      result by at most ``atol`` (skipped for a rule that declares ``exchangeable = False``);
+    * ``consensus``: when every client sends the same row ``v``, the result is ``v``;
+    * ``absent``: a client of weight 0 (one that did not answer), even a huge outlier, does not change the result;
+    * ``fit``: with ``fit=True``, three rounds of FedAvg with ``model.aggregator`` set to ``spec`` on 8 synthetic
+      clients, by name, keep the model finite.
+    """
+    from lightning_fedmeta.robust import aggregate_rows, parse_aggregator
+
+    label = spec if isinstance(spec, str) else dict(spec).get("name", "mean")
+    try:
+        parsed = parse_aggregator(spec)
+    except (ValueError, ImportError, TypeError) as exc:
+        raise _plugin_failure("aggregator", label, "parse", f"{type(exc).__name__}: {exc}") from exc
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.randint(1, 6, (n,), generator=g)
+
+    def run(rows: Tensor, weights: Tensor, st: Tensor = steps) -> Tensor:
+        return aggregate_rows(parsed, rows, weights, f=f, steps=st)
+
+    for dtype in (torch.float32, torch.float64):
+        rows = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype)
+        weights = torch.rand(n, generator=g, dtype=torch.float64).add(0.5).to(dtype)
+        weights = weights / weights.sum()
+        before = rows.clone(), weights.clone()
+        try:
+            out = run(rows, weights)
+        except Exception as exc:
+            raise _plugin_failure("aggregator", label, "shape", f"the rule raised {type(exc).__name__}: {exc} "
+                                  f"on n={n} rows of dimension {d} (f={f})") from exc
+        if not isinstance(out, Tensor) or tuple(out.shape) != (d,) or out.dtype != dtype:
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            raise _plugin_failure("aggregator", label, "shape", f"expected a [{d}] {dtype} tensor, got {got}")
+        if not bool(out.isfinite().all()):
+            raise _plugin_failure("aggregator", label, "shape", "the result is not finite on finite rows")
+        if not (torch.equal(rows, before[0]) and torch.equal(weights, before[1])):
+            raise _plugin_failure("aggregator", label, "shape", "the rule changed its input rows or weights")
+        if not torch.equal(run(rows, weights), out):
+            raise _plugin_failure("aggregator", label, "determinism", "two calls on the same rows differ")
+        perm = torch.randperm(n, generator=g)
+        moved = run(rows[perm], weights[perm], steps[perm])
+        exchangeable = getattr(parsed.rule_class, "exchangeable", True)
+        if exchangeable and not torch.allclose(moved, out, atol=atol, rtol=0):
+            raise _plugin_failure("aggregator", label, "permutation", "permuting the clients moved the result by "
+                                  f"{float((moved - out).abs().max()):.3g} (> atol={atol})")
+        same = rows[:1].expand(n, d).clone()
+        agreed = run(same, weights, torch.full((n,), 3))
+        if not torch.allclose(agreed, same[0], atol=atol, rtol=1e-5):
+            raise _plugin_failure("aggregator", label, "consensus", "every client sent the same row v but the result "
+                                  f"is {float((agreed - same[0]).abs().max()):.3g} away from v")
+        outlier = torch.cat([rows, torch.full((1, d), 1e6, dtype=dtype)])
+        zero = torch.cat([weights, torch.zeros(1, dtype=dtype)])
+        with_absent = run(outlier, zero, torch.cat([steps, torch.tensor([1])]))
+        if not torch.allclose(with_absent, out, atol=atol, rtol=1e-5):
+            raise _plugin_failure("aggregator", label, "absent", "a client of weight 0 (an outlier at 1e6) moved "
+                                  f"the result by {float((with_absent - out).abs().max()):.3g}")
+    if fit:
+        given = parsed.given()
+        if parsed.needs_f and parsed.f is None:
+            given["f"] = 1
+        try:
+            dm = FederatedDataModule(dataset="synthetic", num_clients=8, eval_every=3, data_seed=seed)
+            _short_fit(dm, rounds=3, aggregator=given, clients_per_round=8, seed=seed,
+                       algorithm={"name": "fedavg", "local_steps": 2, "batch_size": 8})
+        except Exception as exc:
+            raise _plugin_failure("aggregator", label, "fit", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _same_data(a: FederatedData, b: FederatedData) -> bool:
+    return all(torch.equal(getattr(a, k), getattr(b, k)) for k in
+               ("train_x", "train_y", "train_offsets", "test_x", "test_y", "test_offsets"))
+
+
+def check_dataset(name: str, options: Mapping[str, Any] | None = None, *, num_clients: int = 4, seed: int = 0,
+                  fit: bool = True, **data_options: Any) -> None:
+    """Check a dataset registered as ``name`` (``lightning_fedmeta.datasets``) keeps the contract; raise
+    ``AssertionError`` naming the dataset, the check and what broke.
+
+    The dataset is built as ``data.dataset: name`` with ``data.dataset_options: options`` (and further
+    :class:`~lightning_fedmeta.data.FederatedDataModule` settings in ``data_options``):
+
+    * ``build``: the name resolves, the options are accepted, the call returns a ``FederatedData``, a
+      ``FederatedDataset`` or a ``LabeledPool``;
+    * ``shape``: ``num_clients`` clients, none empty; inputs and targets have as many rows as the offsets say,
+      the inputs are finite and float; class labels are in ``[0, num_classes)``; a declared ``num_classes``
+      attribute is the built data's;
+    * ``determinism``: built again with the same seed it is bit for bit the same; with another seed it differs;
+    * ``fit``: with ``fit=True``, two rounds of FedAvg on it, by name, keep the model finite.
+    """
+    from lightning_fedmeta.data.plugins import dataset_num_classes
+
+    def build(data_seed: int) -> FederatedDataModule:
+        dm = FederatedDataModule(dataset=name, dataset_options=dict(options or {}), num_clients=num_clients,
+                                 data_seed=data_seed, eval_every=2, **data_options)
+        with _quiet():
+            dm.setup("fit")
+        return dm
+
+    try:
+        dm = build(seed)
+    except Exception as exc:
+        raise _plugin_failure("dataset", name, "build", f"{type(exc).__name__}: {exc}") from exc
+    data = dm.federated_data
+    assert data is not None
+    problems = []
+    if data.num_clients != num_clients:
+        problems.append(f"{data.num_clients} clients for num_clients={num_clients}")
+    for split in ("train", "test"):
+        x, y, offsets = (getattr(data, f"{split}_{k}") for k in ("x", "y", "offsets"))
+        if int(offsets[-1]) != x.shape[0] or y.shape[0] != x.shape[0]:
+            problems.append(f"{split}: {x.shape[0]} inputs, {y.shape[0]} targets, offsets end at {int(offsets[-1])}")
+        if not x.is_floating_point() or not bool(x.isfinite().all()):
+            problems.append(f"{split} inputs are not finite floats ({x.dtype})")
+        if data.task == "classification" and y.numel() and (int(y.min()) < 0 or int(y.max()) >= data.num_classes):
+            problems.append(f"{split} labels outside [0, {data.num_classes})")
+    if int(data.train_counts.min()) < 1:
+        problems.append("a client has no training rows")
+    known, declared = dataset_num_classes(name)
+    if known and declared != data.num_classes:
+        problems.append(f"declares num_classes={declared} but builds {data.num_classes}")
+    if problems:
+        raise _plugin_failure("dataset", name, "shape", "; ".join(problems))
+    again = build(seed).federated_data
+    assert again is not None
+    if not _same_data(data, again):
+        raise _plugin_failure("dataset", name, "determinism", f"two builds with data_seed={seed} differ")
+    other = build(seed + 1).federated_data
+    assert other is not None
+    if data.train_x.shape == other.train_x.shape and _same_data(data, other):
+        raise _plugin_failure("dataset", name, "determinism", f"data_seed={seed} and {seed + 1} build the same "
+                              "data: the dataset ignores its seed")
+    if fit:
+        try:
+            _short_fit(build(seed), rounds=2, clients_per_round=min(3, num_clients), seed=seed,
+                       algorithm={"name": "fedavg", "local_steps": 2, "batch_size": 8})
+        except Exception as exc:
+            raise _plugin_failure("dataset", name, "fit", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _labels(n: int, num_classes: int, seed: int) -> Tensor:
+    """``n`` int64 labels, every class present, classes of unequal sizes."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, num_classes + 1, dtype=torch.float64)
+    y = torch.multinomial(weights, n, replacement=True, generator=g)
+    y[:num_classes] = torch.arange(num_classes)
+    return y
+
+
+def check_partitioner(name: str, options: Mapping[str, Any] | None = None, *, num_clients: int = 5,
+                      num_classes: int = 4, n: int = 240, seed: int = 0, fit: bool = True,
+                      **data_options: Any) -> None:
+    """Check a partitioner registered as ``name`` (``lightning_fedmeta.partitioners``) keeps the contract; raise
+    ``AssertionError`` naming the partitioner, the check and what broke.
+
+    On ``n`` labels of ``num_classes`` unequal classes, called as ``data.partition: name`` with
+    ``data.partition_options: options`` (and the data module's split settings in ``data_options``):
+
+    * ``parts``: exactly ``num_clients`` parts of int64 indices in ``[0, n)``, no row given twice, no client empty;
+    * ``determinism``: the same seed (and a fresh ``rng`` seeded alike) gives the same parts; ``labels`` is left
+      unchanged;
+    * ``fit``: with ``fit=True``, two rounds of FedAvg on a :class:`~lightning_fedmeta.data.plugins.LabeledPool`
+      split by name keep the model finite.
+
+    No permutation property is checked: the contract does not promise one (seeded draws follow the order of the
+    rows and of the classes, as the built-in Dirichlet split's proportions do).
+    """
+    import numpy as np
+
+    from lightning_fedmeta.data.plugins import LabeledPool, partition_labels
+
+    defaults = _signature_defaults(FederatedDataModule)
+    context = {
+        "num_clients": num_clients, "seed": seed, "num_classes": num_classes,
+        **{k: data_options.get(k, defaults.get(k)) for k in (
+            "dirichlet_alpha", "classes_per_client", "samples_per_class", "max_samples_per_client", "balance",
+            "min_client_samples", "max_retries", "partitioner")},
+    }
+
+    def parts_of(y: Tensor) -> list[Tensor]:
+        return partition_labels(name, y, {**context, "rng": np.random.RandomState(seed)}, dict(options or {}))
+
+    y = _labels(n, num_classes, seed)
+    kept = y.clone()
+    try:
+        parts = parts_of(y)
+    except Exception as exc:
+        raise _plugin_failure("partitioner", name, "parts", f"{type(exc).__name__}: {exc}") from exc
+    empty = [i for i, p in enumerate(parts) if p.numel() == 0]
+    if empty:
+        raise _plugin_failure("partitioner", name, "parts", f"client(s) {empty} get no rows of {n}")
+    if not torch.equal(y, kept):
+        raise _plugin_failure("partitioner", name, "determinism", "the partitioner changed the labels it was given")
+    again = parts_of(y)
+    if any(not torch.equal(a, b) for a, b in zip(parts, again, strict=True)):
+        raise _plugin_failure("partitioner", name, "determinism", f"two calls with seed={seed} differ")
+    if fit:
+        g = torch.Generator().manual_seed(seed)
+        centers = torch.randn(num_classes, 5, generator=g) * 2
+        test_y = _labels(n // 2, num_classes, seed + 7)
+        pool = LabeledPool(centers[y] + torch.randn(n, 5, generator=g), y,
+                           centers[test_y] + torch.randn(test_y.numel(), 5, generator=g), test_y, num_classes)
+        try:
+            dm = FederatedDataModule(dataset=pool, partition=name, partition_options=dict(options or {}),
+                                     num_clients=num_clients, data_seed=seed, eval_every=2, **data_options)
+            _short_fit(dm, rounds=2, clients_per_round=min(3, num_clients), seed=seed,
+                       algorithm={"name": "fedavg", "local_steps": 2, "batch_size": 8})
+        except Exception as exc:
+            raise _plugin_failure("partitioner", name, "fit", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _signature_defaults(cls: type) -> dict[str, Any]:
+    """The default value of every parameter of ``cls.__init__`` that has one."""
+    import inspect
+
+    return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}

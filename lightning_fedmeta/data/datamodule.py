@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import lightning as L
@@ -32,37 +31,22 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_fedmeta.data.datasets import (
     DEFAULT_FASHION_MNIST_ROOT,
     IMAGE_DATASETS,
-    _load_pixels,
-    _standardize,
     download_dataset,
     has_dataset_files,
 )
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
-from lightning_fedmeta.data.leaf import ALL_LETTERS, FEMNIST_NUM_CLASSES, LEAF_KINDS, LeafDataset
+from lightning_fedmeta.data.leaf import ALL_LETTERS, FEMNIST_NUM_CLASSES, LEAF_KINDS
 from lightning_fedmeta.data.more_datasets import MORE_DATASETS
-from lightning_fedmeta.data.partition import (
-    PERFEDAVG_SAMPLES_PER_CLASS,
-    cap_client_sizes,
-    dirichlet,
-    iid,
-    matching_test_split,
-    perfedavg_paper,
-    shards,
+from lightning_fedmeta.data.partition import PERFEDAVG_SAMPLES_PER_CLASS, matching_test_split
+from lightning_fedmeta.data.plugins import (
+    LabeledPool,
+    build_dataset,
+    check_dataset_options,
+    check_partition_options,
+    dataset_num_classes,
+    partition_labels,
 )
-from lightning_fedmeta.data.splits import (
-    PFLLIB_TRAIN_RATIO,
-    dirichlet_min_size,
-    flower_partition,
-    pathological,
-    per_client_train_test,
-)
-from lightning_fedmeta.data.synthetic import make_synthetic
-from lightning_fedmeta.data.synthetic_scale import make_synthetic_scale
-from lightning_fedmeta.data.synthetic_tasks import (
-    make_synthetic_multilabel,
-    make_synthetic_next_token,
-    make_synthetic_regression,
-)
+from lightning_fedmeta.data.splits import PFLLIB_TRAIN_RATIO, per_client_train_test
 from lightning_fedmeta.data.validation_split import validation_split
 
 __all__ = [
@@ -74,6 +58,8 @@ __all__ = [
     "rounds_until_evaluation",
 ]
 
+# The built-in names below are entry points of this distribution (``lightning_fedmeta.datasets`` and
+# ``lightning_fedmeta.partitioners``, lightning_fedmeta.data.plugins); installed packages add their own.
 #: Embedded synthetic benchmarks, one per task kind (made in code from ``data_seed``).
 SYNTHETIC_DATASETS: tuple[str, ...] = (
     "synthetic", "synthetic_regression", "synthetic_multilabel", "synthetic_next_token", "synthetic_scale",
@@ -164,7 +150,10 @@ class FederatedDataModule(L.LightningDataModule):
             :class:`FederatedDataset` protocol (``num_classes`` and ``client_data()``; e.g.
             :class:`~lightning_fedmeta.data.leaf.LeafDataset` for LEAF JSON files, or
             :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` around your own
-            ``LightningDataModule``). Also read from files under ``root``: ``"cifar100"``, ``"emnist_<split>"``
+            ``LightningDataModule``), or a :class:`~lightning_fedmeta.data.plugins.LabeledPool` (centralised rows
+            split by ``partition``). A dataset registered by an installed package
+            (``lightning_fedmeta.datasets`` entry points) is chosen by its name too. Also read from files under
+            ``root``: ``"cifar100"``, ``"emnist_<split>"``
             (``balanced``, ``byclass``, ``bymerge``, ``letters``, ``digits``, ``mnist``), ``"tiny_imagenet"``
             (:mod:`~lightning_fedmeta.data.more_datasets`), and LEAF's ``"femnist"`` and ``"shakespeare"`` (JSON
             files, one client per LEAF user, the first ``num_clients`` users by id:
@@ -196,6 +185,10 @@ class FederatedDataModule(L.LightningDataModule):
         train_fraction: the training share of ``"per_client"`` (PFLlib's ``train_ratio`` 0.75).
         partitioner: with ``partition: flower``, a ``flwr_datasets.partitioner`` object (YAML ``class_path``),
             used as-is on the labels (:func:`~lightning_fedmeta.data.splits.flower_partition`).
+        dataset_options: the own options of a dataset registered by a package (``lightning_fedmeta.datasets``
+            entry points, :mod:`~lightning_fedmeta.data.plugins`), checked against its signature; ``None``: none.
+        partition_options: the own options of a partitioner registered by a package
+            (``lightning_fedmeta.partitioners``), checked against its signature; ``None``: none.
         synthetic_alpha: model heterogeneity ``alpha >= 0`` of Synthetic(alpha, beta) (and of the
             regression and multi-label variants).
         synthetic_beta: input heterogeneity ``beta >= 0`` of Synthetic(alpha, beta) (and variants).
@@ -219,7 +212,7 @@ class FederatedDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        dataset: str | FederatedDataset = "synthetic",
+        dataset: str | FederatedDataset | LabeledPool = "synthetic",
         root: str | None = None,
         download: bool = False,
         partition: str = "iid",
@@ -240,12 +233,14 @@ class FederatedDataModule(L.LightningDataModule):
         test_split: str = "matching",
         train_fraction: float = PFLLIB_TRAIN_RATIO,
         partitioner: Any = None,
+        dataset_options: dict[str, Any] | None = None,
+        partition_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        _check_dataset(dataset)
+        _check_dataset(dataset, dataset_options)
         _check_partition_options(
             dataset, partition, num_clients, dirichlet_alpha, classes_per_client, samples_per_class,
-            max_samples_per_client,
+            max_samples_per_client, partition_options,
         )
         _check_split_options(partition, balance, min_client_samples, max_retries, test_split, train_fraction,
                              partitioner)
@@ -276,6 +271,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.eval_clients = eval_clients
         self.balance, self.min_client_samples, self.max_retries = balance, min_client_samples, max_retries
         self.test_split, self.train_fraction, self.partitioner = test_split, float(train_fraction), partitioner
+        self.dataset_options, self.partition_options = dict(dataset_options or {}), dict(partition_options or {})
         self.federated_data: FederatedData | None = None
         ignored = ([] if isinstance(dataset, str) else ["dataset"]) + ([] if partitioner is None else ["partitioner"])
         self.save_hyperparameters(ignore=ignored or None)
@@ -285,8 +281,17 @@ class FederatedDataModule(L.LightningDataModule):
         """Number of label classes (known before ``setup``; ``None`` for regression)."""
         if self.federated_data is not None:
             return self.federated_data.num_classes
+        if isinstance(self.dataset, LabeledPool):
+            return int(self.dataset.num_classes)
         if isinstance(self.dataset, str):
-            return _NUM_CLASSES[self.dataset]
+            if self.dataset in _NUM_CLASSES:
+                return _NUM_CLASSES[self.dataset]
+            known, declared = dataset_num_classes(self.dataset)
+            if known:
+                return declared
+            self.setup()  # a plugin dataset that does not declare num_classes: build it to know
+            assert self.federated_data is not None
+            return self.federated_data.num_classes
         n = self.dataset.num_classes
         return None if n is None else int(n)
 
@@ -317,53 +322,47 @@ class FederatedDataModule(L.LightningDataModule):
             )
 
     def _describe(self) -> str:
+        if isinstance(self.dataset, LabeledPool):
+            return f"LabeledPool of {len(self.dataset.train_y)} rows, partition={self.partition}"
         if not isinstance(self.dataset, str):
             return f"{type(self.dataset).__name__} (user dataset)"
         if self.dataset in ("synthetic_next_token", *LEAF_KINDS):
             return self.dataset
         if self.dataset in SYNTHETIC_DATASETS:
             return f"{self.dataset}({self.synthetic_alpha}, {self.synthetic_beta})"
+        if self.dataset not in DATASET_NAMES:
+            options = "".join(f", {k}={v!r}" for k, v in self.dataset_options.items())
+            return f"{self.dataset} (plugin{options}), partition={self.partition}"
         if self.test_split == "per_client":
             return f"{self.dataset}, partition={self.partition}, per-client split {self.train_fraction:g} train"
         return f"{self.dataset}, partition={self.partition}"
 
     def _build(self) -> FederatedData:
+        if isinstance(self.dataset, LabeledPool):
+            return self._build_pool(self.dataset)
         if not isinstance(self.dataset, str):
             names = getattr(self.dataset, "client_names", None)
             task = getattr(self.dataset, "task", None)
             return from_client_tensors(self.dataset.client_data(), self.dataset.num_classes, names, task)
-        if self.dataset == "synthetic":
-            return make_synthetic(
-                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
-            )
-        if self.dataset == "synthetic_scale":
-            return make_synthetic_scale(
-                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
-            )
-        if self.dataset == "synthetic_regression":
-            return make_synthetic_regression(
-                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
-            )
-        if self.dataset == "synthetic_multilabel":
-            return make_synthetic_multilabel(
-                self.synthetic_alpha, self.synthetic_beta, num_clients=self.num_clients, seed=self.seed
-            )
-        if self.dataset == "synthetic_next_token":
-            return make_synthetic_next_token(num_clients=self.num_clients, seed=self.seed)
-        if self.dataset in LEAF_KINDS:  # the natural split: one client per LEAF user (writer / role)
-            leaf = LeafDataset(self.root or "", kind=self.dataset, max_clients=self.num_clients)  # type: ignore[arg-type]
-            return from_client_tensors(leaf.client_data(), leaf.num_classes, leaf.client_names, leaf.task)
-        return self._build_image()
+        context = {"num_clients": self.num_clients, "seed": self.seed, "root": self.root,
+                   "synthetic_alpha": self.synthetic_alpha, "synthetic_beta": self.synthetic_beta}
+        built = build_dataset(self.dataset, context, self.dataset_options)
+        if isinstance(built, LabeledPool):
+            return self._build_pool(built)
+        if isinstance(built, FederatedData):
+            return built
+        names, task = getattr(built, "client_names", None), getattr(built, "task", None)
+        return from_client_tensors(built.client_data(), built.num_classes, names, task)
 
-    def _build_image(self) -> FederatedData:
-        """Partition an image dataset's pool and give each client test rows (``test_split``)."""
-        # uint8 pixels: only the rows the clients get are standardised (the same floats, element-wise)
-        train_x, train_y, test_x, test_y = _load_pixels(self.dataset, self.root, download=False)  # type: ignore[arg-type]
-        num_classes = int(_NUM_CLASSES[self.dataset] or 0)  # type: ignore[index]
-        transform = partial(_standardize, name=self.dataset)
+    def _build_pool(self, pool: LabeledPool) -> FederatedData:
+        """Partition a pool's rows and give each client test rows (``test_split``)."""
+        train_x, train_y, test_x, test_y = pool.train_x, pool.train_y, pool.test_x, pool.test_y
+        num_classes, transform = int(pool.num_classes), pool.transform
         rng = np.random.RandomState(self.seed)  # one stream for partition then split, as PFLlib's scripts
         if self.test_split == "per_client":  # PFLlib: merge the pools, partition, split every client's rows
-            pool_x, pool_y = np.concatenate([train_x, test_x]), torch.cat([train_y, test_y])
+            pool_x = (np.concatenate([train_x, test_x]) if isinstance(train_x, np.ndarray)
+                      else torch.cat([train_x, test_x]))  # type: ignore[list-item]
+            pool_y = torch.cat([train_y, test_y])
             parts = self._partition(pool_y, num_classes, rng)
             train_parts, test_parts = per_client_train_test(parts, self.train_fraction, rng)
             return _gather(pool_x, pool_y, train_parts, pool_x, pool_y, test_parts, num_classes, transform=transform)
@@ -372,26 +371,16 @@ class FederatedDataModule(L.LightningDataModule):
         return _gather(train_x, train_y, parts, test_x, test_y, test_parts, num_classes, transform=transform)
 
     def _partition(self, y: Tensor, num_classes: int, rng: np.random.RandomState) -> list[Tensor]:
-        """``self.partition`` of the labels ``y``: one int64 index tensor per client."""
-        k = self.num_clients
-        if self.partition == "perfedavg_paper":
-            return perfedavg_paper(y, k, self.samples_per_class, self.seed)
-        if self.partition == "pathological":
-            found = pathological(y, k, self.classes_per_client, self.balance, self.min_client_samples, rng,
-                                 num_classes)
-        elif self.partition == "dirichlet_min_size":
-            found = dirichlet_min_size(y, k, self.dirichlet_alpha, self.min_client_samples, self.max_retries, rng,
-                                       num_classes)
-        elif self.partition == "flower":
-            found = flower_partition(self.partitioner, y)
-            if len(found) != k:
-                raise ValueError(f"the Flower partitioner has num_partitions={len(found)} but data.num_clients={k}; "
-                                 "set them equal")
-        else:
-            split = {"iid": iid, "dirichlet": partial(dirichlet, alpha=self.dirichlet_alpha),
-                     "shards": partial(shards, classes_per_client=self.classes_per_client)}[self.partition]
-            return cap_client_sizes(split(y, k, seed=self.seed), self.max_samples_per_client, self.seed)
-        return [torch.as_tensor(p, dtype=torch.long) for p in found]
+        """``self.partition`` of the labels ``y``: one int64 index tensor per client (the partitioner registered
+        under that name, :func:`~lightning_fedmeta.data.plugins.partition_labels`)."""
+        context = {
+            "num_clients": self.num_clients, "seed": self.seed, "num_classes": num_classes, "rng": rng,
+            "dirichlet_alpha": self.dirichlet_alpha, "classes_per_client": self.classes_per_client,
+            "samples_per_class": self.samples_per_class, "max_samples_per_client": self.max_samples_per_client,
+            "balance": self.balance, "min_client_samples": self.min_client_samples, "max_retries": self.max_retries,
+            "partitioner": self.partitioner,
+        }
+        return partition_labels(self.partition, y, context, self.partition_options)
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
@@ -463,11 +452,17 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
     raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
 
 
-def _check_dataset(dataset: str | FederatedDataset) -> None:
-    """Raise ``ValueError`` unless ``dataset`` is a known name or a :class:`FederatedDataset`."""
+def _check_dataset(dataset: str | FederatedDataset, options: dict[str, Any] | None) -> None:
+    """Raise ``ValueError`` unless ``dataset`` is a registered name (built-in or a plugin's, taking
+    ``dataset_options``) or a :class:`FederatedDataset`."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"data.dataset_options must be a mapping of the dataset's options, got {options!r}")
     if isinstance(dataset, str):
-        if dataset not in DATASET_NAMES:
-            raise ValueError(f"unknown dataset {dataset!r}; choose one of {list(DATASET_NAMES)}")
+        check_dataset_options(dataset, options)
+    elif options:
+        raise ValueError("data.dataset_options apply to a dataset chosen by name, not to a dataset object")
+    elif isinstance(dataset, LabeledPool):
+        return
     elif not isinstance(dataset, FederatedDataset):
         raise ValueError(
             f"dataset must be one of {list(DATASET_NAMES)} or an object with `num_classes` and "
@@ -478,10 +473,14 @@ def _check_dataset(dataset: str | FederatedDataset) -> None:
 def _check_partition_options(
     dataset: str | FederatedDataset, partition: str, num_clients: int, dirichlet_alpha: float,
     classes_per_client: int, samples_per_class: int, max_samples_per_client: int | None,
+    partition_options: dict[str, Any] | None = None,
 ) -> None:
-    """Raise ``ValueError`` for a partition option of :class:`FederatedDataModule` outside its range."""
-    if partition not in PARTITION_NAMES:
-        raise ValueError(f"unknown partition {partition!r}; choose one of {list(PARTITION_NAMES)}")
+    """Raise ``ValueError`` for a partition option of :class:`FederatedDataModule` outside its range (an unknown
+    partition lists the installed ones; ``partition_options`` must be options the partitioner takes)."""
+    if partition_options is not None and not isinstance(partition_options, dict):
+        raise ValueError(f"data.partition_options must be a mapping of the partitioner's options, "
+                         f"got {partition_options!r}")
+    check_partition_options(partition, partition_options)
     _check_int("num_clients", num_clients, 1)
     if not dirichlet_alpha > 0:
         raise ValueError(f"dirichlet_alpha must be > 0, got {dirichlet_alpha!r}")
@@ -523,7 +522,7 @@ def _share_split_options(dataset: str | FederatedDataset, options: dict[str, Any
     :class:`~lightning_fedmeta.data.lightning_adapter.LightningDataPartition` has) this module's split options, so
     ``--data.num_clients``, ``--data.partition``, ``--data.data_seed`` and the others change its split (it refuses
     one it cannot apply) instead of being ignored."""
-    if isinstance(dataset, str):
+    if isinstance(dataset, str | LabeledPool):
         return
     follow = getattr(dataset, "follow_datamodule", None)
     if callable(follow):
@@ -568,7 +567,8 @@ def _check_evaluation_options(eval_every: int, validation_fraction: float, eval_
 def _check_root(dataset: str | FederatedDataset, root: str | None) -> None:
     """Raise ``ValueError`` when a dataset read from files (all but the synthetic ones and Fashion-MNIST, which
     has a default folder) is asked for without a ``root`` folder."""
-    needs_root = isinstance(dataset, str) and dataset not in (*SYNTHETIC_DATASETS, "fashion_mnist")
+    needs_root = isinstance(dataset, str) and dataset in DATASET_NAMES and dataset not in (
+        *SYNTHETIC_DATASETS, "fashion_mnist")
     if needs_root and root is None:
         how = ("the folder with LEAF's train/ and test/ JSON files" if dataset in LEAF_KINDS
                else "with `download: true` the files are fetched there, where torchvision can")

@@ -255,6 +255,15 @@ DATA_OPTIONS: dict[str, Option] = {
     "partitioner": Option(st.integers(1, 4).map(_EveryOther),  # the synthetic sets ignore the partition
                           st.none() | st.just(object()) | st.integers() | st.just("IidPartitioner"),
                           base={"partition": "flower"}),
+    # a plugin's own options (data/plugins.py): the built-in synthetic dataset and iid split have none of their own
+    # (their parameters are data.* settings), so anything but an empty mapping is refused, naming the option
+    "dataset_options": Option(st.none() | st.just({}),
+                              st.dictionaries(st.sampled_from(["size", "seed", "num_clients", "noise"]), st.integers(),
+                                              min_size=1) | st.sampled_from([[1], "size=3", 3])),
+    "partition_options": Option(st.none() | st.just({}),
+                                st.dictionaries(st.sampled_from(["beta", "seed", "rng", "alpha"]), st.integers(),
+                                                min_size=1) | st.sampled_from([[1], "beta=3", 3]),
+                                base={"partition": "iid"}),
 }
 
 COMMON_OPTIONS: dict[str, Option] = {

@@ -94,7 +94,9 @@ def test_parse_names_the_option_the_caller_gives() -> None:
         (AggregatorSpec("bulyan"), 6, 1, "model.aggregator: bulyan needs n >= 4f + 3 updates per round, got n=6, f=1"),
         (AggregatorSpec("bulyan"), 10, 2, "bulyan needs n >= 4f + 3 updates per round, got n=10, f=2 (4f + 3 = 11)"),
         (AggregatorSpec("multi_krum", m=9), 10, 2, "model.aggregator.m must be in [1, n - f] = [1, 8] with n=10, f=2"),
-        (AggregatorSpec("trimmed_mean", beta=0.5), 4, 0, "model.aggregator.beta=0.5 trims 2*floor(beta*n) = 4 of n=4"),
+        # beta < 0.5 leaves 2*floor(beta*n) < n for every n; a hand-made spec outside that range is refused by the
+        # rule's constructor, naming the option
+        (AggregatorSpec("trimmed_mean", beta=0.5), 4, 0, "model.aggregator.beta must be a number in [0, 0.5), got 0.5"),
         (AggregatorSpec("median"), 0, 0, "the number of updates per round must be >= 1, got n=0"),
         (AggregatorSpec("krum"), 9, -1, "model.aggregator.f must be an integer >= 0, got f=-1"),
     ],
@@ -117,7 +119,7 @@ def test_check_refuses_impossible_rules(spec: AggregatorSpec, n: int, f: int, me
         (AggregatorSpec("bulyan"), 7, 1, (AggregatorSpec("bulyan"), 6, 1), "bulyan needs n >= 4f + 3"),
         # 2⌊βn⌋ = 2 < 3: one value per coordinate is left; 2⌊0.5 · 2⌋ = 2 = n leaves none
         (AggregatorSpec("trimmed_mean", beta=0.49), 3, 0, (AggregatorSpec("trimmed_mean", beta=0.5), 2, 0),
-         "trims 2*floor(beta*n) = 2 of n=2"),
+         "model.aggregator.beta must be a number in [0, 0.5)"),
         # one update; none is refused
         (AggregatorSpec("median"), 1, 0, (AggregatorSpec("median"), 0, 0),
          "the number of updates per round must be >= 1"),
