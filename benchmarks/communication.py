@@ -9,7 +9,7 @@ FedAvg + 1 fine-tune step, Per-FedAvg (HF) and Ditto on the Per-FedAvg paper's F
 τ = 10, α = 0.01, Per-FedAvg's β = 0.001), each upload sent uncompressed, in float16, as 8-bit and 4-bit QSGD
 (buckets of 512, one float32 norm each) or as the 1 % largest coordinates with error feedback
 (``model.compression``), three seeds. Upload bytes per client and round are the compressor's
-:meth:`~lightning_fedmeta.compression.Compressor.encoded_bytes` of the model's ``d`` parameters (every
+:meth:`~lightning_fedmeta.communication.compressors.Compressor.encoded_bytes` of the model's ``d`` parameters (every
 algorithm here uploads one delta of the model); the cumulative megabytes at round ``r`` are
 ``r × m × bytes / 10⁶``. Accuracy is ``val/acc_weighted`` (each client's model after its fine-tune or personal
 model, on its test data), recorded every ``--eval-every`` rounds.
@@ -72,7 +72,7 @@ def _key(algorithm: str, compression: str, seed: int, settings: dict[str, Any]) 
 
 def upload_bytes(compression: str, numel: int) -> int:
     """One client's upload of ``numel`` float32 values under the named compression."""
-    from lightning_fedmeta.compression import parse_compression
+    from lightning_fedmeta.communication.compressors import parse_compression
 
     spec = parse_compression(COMPRESSIONS[compression])
     return 4 * numel if spec is None or spec.upload is None else spec.upload.encoded_bytes(numel)
@@ -182,7 +182,7 @@ def plot(records: list[dict[str, Any]], out: Path) -> None:
 
 def _data(args: argparse.Namespace) -> tuple[Any, Any]:
     from lightning_fedmeta.data import FederatedDataModule
-    from lightning_fedmeta.models import MLP
+    from lightning_fedmeta.models.reference import MLP
 
     if args.quick:
         from lightning_fedmeta.testing import tiny_clients, tiny_mlp

@@ -4,7 +4,7 @@ Usage: ``python -m benchmarks.epoch_grouping [--out benchmarks/results/epoch_gro
 counts alone. Fashion-MNIST's 60000 training labels (6000 per class, so the labels are ``arange(60000) % 10``) are
 split by :func:`lightning_fedmeta.data.partition.dirichlet` (α = 0.1) over 20 and 100 clients, seeds 0–4; each
 client keeps PFLlib's 75 % training share (``n − ⌈0.25 n⌉`` rows); B = 10, E = 1, so ``s_c = ⌈n_c/10⌉``
-(:func:`~lightning_fedmeta.sampling.epoch_steps`). With every client in the round (PFLlib's protocol) the engine
+(:func:`~lightning_fedmeta.client.sampling.epoch_steps`). With every client in the round (PFLlib's protocol) the engine
 runs the groups of :func:`~lightning_fedmeta.loop.grouping.step_groups`; without grouping it runs one group padded
 to the largest ``s_c``. Waste = ``Σ_g Σ_{c∈g} (max_g − s_c)`` ÷ ``Σ_c s_c``.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from lightning_fedmeta.algorithms.base import BatchPlan
+from lightning_fedmeta.client.sampling import plan_steps
 from lightning_fedmeta.data.partition import dirichlet
 from lightning_fedmeta.loop.grouping import padding_waste, step_groups
-from lightning_fedmeta.sampling import plan_steps
 
 PLAN = BatchPlan(steps=0, per_step=1, batch_size=10, epochs=1)
 

@@ -68,7 +68,7 @@ from benchmarks.gpu_check import (  # noqa: E402
     w_mlp,
 )
 from lightning_fedmeta.data import FederatedDataModule  # noqa: E402
-from lightning_fedmeta.models import FedAvgCNN, ResNet18  # noqa: E402
+from lightning_fedmeta.models.reference import FedAvgCNN, ResNet18  # noqa: E402
 from lightning_fedmeta.registry import list_algorithms  # noqa: E402
 
 

@@ -90,7 +90,7 @@ def run_one(
     import torch
 
     from lightning_fedmeta import FederatedModule
-    from lightning_fedmeta.models import MLP
+    from lightning_fedmeta.models.reference import MLP
 
     torch.manual_seed(seed)
     model = MLP(784, settings["hidden"], 10, "elu")

@@ -35,12 +35,12 @@ import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-import lightning_fedmeta.functional as functional_lib
+import lightning_fedmeta.client.functional as functional_lib
 import lightning_fedmeta.loop.clients as engine_lib  # the client half: where the engine calls run_clients
 import lightning_fedmeta.loop.gather as gather_lib
 from benchmarks import speed
 from benchmarks.speed import ALGORITHMS, build_algorithm, load_workload, make_module, run_round
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.client.functional import Params
 
 __all__ = ["SectionTimer", "profile_sections", "PROPOSALS", "compare_proposals", "main"]
 

@@ -22,7 +22,7 @@ the generator, so the committed files and this script cannot drift apart). Each 
 in its own process (``python -m lightning_fedmeta.cli``; with ``--dataset mnist --root DIR`` also
 ``--data.dataset mnist --data.root DIR``): the seed changes the split, the initialisation and the
 client sampling. The run's numbers are read from what ``fedmeta fit`` writes, the log dir's
-``fedmeta_history.json`` (lightning_fedmeta/callbacks.py ``PlotCallback``), never re-computed here:
+``fedmeta_history.json`` (lightning_fedmeta/frontends/callbacks.py ``PlotCallback``), never re-computed here:
 
 * final-round sample-weighted mean, unweighted mean and worst-decile accuracy of the training
   clients (``val/acc_weighted``, ``val/acc_mean``, ``val/acc_worst10`` of the last evaluation, which
@@ -161,7 +161,7 @@ def render_config(method: str, tau: int, alpha: float) -> str:
         f"  holdout_clients: {HOLDOUT}",
         "  seed: 0",
         "  model:",
-        "    class_path: lightning_fedmeta.models.MLP",
+        "    class_path: lightning_fedmeta.models.reference.MLP",
         "    init_args: {in_features: 784, hidden: [80, 60], num_classes: 10, activation: elu}",
         "data:",
         "  dataset: fashion_mnist",

@@ -10,7 +10,7 @@ Setting (the ByzFL benchmark's protocol, Allouah et al., on this library's synth
 * training: FedAvg, τ = 10 local SGD steps of batch 10 at rate 0.05, server rate 1, uniform aggregation weights,
   the default model (multinomial logistic regression, 60 → 10);
 * Byzantine clients: ``fraction = f/10`` of the training clients (the same ``f`` clients for the whole run), f ∈
-  {1, 2, 3}; every attack of :data:`lightning_fedmeta.attacks.ATTACKS` with its default parameters;
+  {1, 2, 3}; every attack of :data:`lightning_fedmeta.reliability.attacks.ATTACKS` with its default parameters;
 * rules: mean, median, trimmed_mean (β = f/n: trims f values at each end, as ByzFL's ``TrMean(f)``), krum,
   multi_krum (m = n − f), geometric_median, and bulyan where n ≥ 4f + 3 (f = 1 only), each told the true f;
   plus the clean run (no attack) of every rule (for krum, multi_krum and bulyan with the f they assume);
@@ -81,7 +81,7 @@ class Run:
 
 
 def _attacks() -> tuple[str, ...]:
-    from lightning_fedmeta.attacks import ATTACKS
+    from lightning_fedmeta.reliability.attacks import ATTACKS
 
     return ATTACKS
 
@@ -119,7 +119,7 @@ def honest_mask(seed: int, f: int) -> Any:
     """The clients that are honest when f of the 10 are Byzantine (the module's own choice of them)."""
     import torch
 
-    from lightning_fedmeta.attacks import choose_byzantine_clients
+    from lightning_fedmeta.reliability.attacks import choose_byzantine_clients
 
     mask = torch.ones(NUM_CLIENTS, dtype=torch.bool)
     if f > 0:

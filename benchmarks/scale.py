@@ -79,7 +79,7 @@ def _module(algorithm: str, data: Any, per_round: int, store: str, state_dir: st
 
     from benchmarks.speed import build_algorithm  # W's shared settings: τ = 10, B = 40, one adaptation step
     from lightning_fedmeta import FederatedModule
-    from lightning_fedmeta.models import MLP
+    from lightning_fedmeta.models.reference import MLP
 
     torch.manual_seed(0)
     extra: dict[str, Any] = {"client_state": store}

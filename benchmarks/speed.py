@@ -69,7 +69,7 @@ from benchmarks.gpu import WORKLOADS, Workload, plain_loop_round, quick_workload
 from lightning_fedmeta import FederatedModule  # noqa: E402
 from lightning_fedmeta.algorithms.base import Algorithm  # noqa: E402
 from lightning_fedmeta.data.federated import FederatedData  # noqa: E402
-from lightning_fedmeta.models import MLP  # noqa: E402
+from lightning_fedmeta.models.reference import MLP  # noqa: E402
 from lightning_fedmeta.registry import load_algorithm  # noqa: E402
 
 __all__ = [
@@ -246,7 +246,7 @@ def time_rounds(module: FederatedModule, opt: torch.optim.Optimizer, warmup: int
 
 def time_data(module: FederatedModule, warmup: int, repeats: int) -> float:
     """Median ms of a round's mini-batch gathering alone (sampling + draw_batch_indices + index gather)."""
-    from lightning_fedmeta.sampling import sample_clients
+    from lightning_fedmeta.client.sampling import sample_clients
 
     plan = module.algorithm.round_plan()
 

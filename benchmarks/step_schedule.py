@@ -33,13 +33,13 @@ if __package__ in (None, ""):
 from benchmarks.harness import REPO, utc_now  # noqa: E402
 from benchmarks.pfllib_protocol import SPLITS, Settings, run_config  # noqa: E402
 from lightning_fedmeta.algorithms.base import BatchPlan  # noqa: E402
-from lightning_fedmeta.execution import AUTO_CHUNK  # noqa: E402
+from lightning_fedmeta.client.execution import AUTO_CHUNK  # noqa: E402
+from lightning_fedmeta.client.sampling import plan_steps  # noqa: E402
 from lightning_fedmeta.loop.schedule import (  # noqa: E402
     StepCost,
     StepSchedule,
     sequential_steps,
 )
-from lightning_fedmeta.sampling import plan_steps  # noqa: E402
 
 PLAN = BatchPlan(steps=0, batch_size=10, epochs=1, drop_last=True)
 SCHEDULES = ("grouped", "lockstep", "compacted", "auto")
@@ -49,7 +49,7 @@ def protocol_module(split: str, schedule: str = "auto", device: str = "cpu", com
     """FedAvg on the split's clients as the protocol runs it (FedAvgCNN, local rate 0.005, 1 epoch at batch 10)."""
     from lightning_fedmeta import FederatedModule
     from lightning_fedmeta.data import FederatedDataModule
-    from lightning_fedmeta.models import FedAvgCNN
+    from lightning_fedmeta.models.reference import FedAvgCNN
 
     config = run_config("FedAvg", split, "final", 1, Settings())
     dm = FederatedDataModule(**config["data"])

@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning_fedmeta import FederatedModule  # noqa: E402
 from lightning_fedmeta.algorithms.mocha import Mocha  # noqa: E402
 from lightning_fedmeta.data import FederatedDataModule  # noqa: E402
-from lightning_fedmeta.models import LogisticRegression  # noqa: E402
+from lightning_fedmeta.models.reference import LogisticRegression  # noqa: E402
 
 
 class GapRecorder(Callback):

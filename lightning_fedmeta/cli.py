@@ -45,28 +45,29 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
-from lightning_fedmeta.checkpointing import (
+from lightning_fedmeta.data.datamodule import FederatedDataModule
+from lightning_fedmeta.frontends.options import resolved_algorithm_spec
+from lightning_fedmeta.frontends.resume_settings import (
     CHANGEABLE_DATA_SETTINGS,
     CHANGEABLE_MODEL_SETTINGS,
     EVALUATION_ONLY_SETTINGS,
-    CheckpointDamagedError,
-    CheckpointSettingsError,
     SettingDifference,
-    UnsafeCheckpointLoadError,
-    code_or_path_message,
-    code_or_path_settings,
     compare_algorithms,
     compare_settings,
     describe_algorithm,
+    settings_message,
+)
+from lightning_fedmeta.module import FederatedModule, FederatedSetupError
+from lightning_fedmeta.persistence.checkpoint_files import remove_stale_partials
+from lightning_fedmeta.persistence.checksums import CheckpointDamagedError, verify_checkpoint
+from lightning_fedmeta.persistence.safe_loading import (
+    CheckpointSettingsError,
+    UnsafeCheckpointLoadError,
+    code_or_path_message,
+    code_or_path_settings,
     load_checkpoint_file,
     plain_value,
-    remove_stale_partials,
-    settings_message,
-    verify_checkpoint,
 )
-from lightning_fedmeta.data.datamodule import FederatedDataModule
-from lightning_fedmeta.module import FederatedModule, FederatedSetupError
-from lightning_fedmeta.options import resolved_algorithm_spec
 
 __all__ = [
     "FedMetaCLI", "FedMetaConfigError", "checkpoint_dirs", "find_last_checkpoint", "main", "run", "print_algorithms",
@@ -302,7 +303,7 @@ class FedMetaCLI(LightningCLI):
         with the user's (docs/reliability.md, "Crashes and checkpoints").
 
         A setting the user gave (config file or command line) must equal the checkpoint's unless it is on the
-        allow-list (:data:`~lightning_fedmeta.checkpointing.CHANGEABLE_MODEL_SETTINGS`, ...; then the given
+        allow-list (:data:`~lightning_fedmeta.frontends.resume_settings.CHANGEABLE_MODEL_SETTINGS`, ...; then the given
         value is used); a setting left at its default takes the checkpoint's value, model and data alike
         (LightningCLI replaces only the model's, and all of them)."""
         sub = self.config.get("subcommand")
@@ -449,7 +450,7 @@ class FedMetaCLI(LightningCLI):
         keeping every callback the user configured (a user's own progress bar wins)."""
         from lightning.pytorch.callbacks import ProgressBar
 
-        from lightning_fedmeta.callbacks import PlotCallback, RoundProgressBar
+        from lightning_fedmeta.frontends.callbacks import PlotCallback, RoundProgressBar
 
         trainer_cfg = self._get(self.config_init, "trainer", default={}) or {}
         callbacks = kwargs.get("callbacks", trainer_cfg.get("callbacks"))
@@ -485,7 +486,8 @@ def _save_last_checkpoint(callbacks: list[Any]) -> None:
 def _refuse_code_or_paths(path: str, fill_model: dict[str, Any], model_now: dict[str, Any],
                           fill_data: dict[str, Any], data_now: dict[str, Any]) -> None:
     """Refuse settings about to be taken from the checkpoint (the user did not give them; their value differs from
-    this run's) that name code or file-system paths (:func:`~lightning_fedmeta.checkpointing.code_or_path_settings`):
+    this run's) that name code or file-system paths
+    (:func:`~lightning_fedmeta.persistence.safe_loading.code_or_path_settings`):
     a checkpoint of plain values naming ``data.root`` would make the run read files there, ``model.loss: pkg.mod.f``
     import a module."""
     refused = code_or_path_settings(
@@ -508,7 +510,7 @@ def _resolve_algorithm(cfg: Any) -> None:
 
 def _print_resolved_config(parser: LightningArgumentParser, argv: list[str]) -> NoReturn:
     """``--print_config``: the subcommand's configuration as jsonargparse prints it, with ``model.algorithm``
-    resolved (:func:`~lightning_fedmeta.options.resolved_algorithm_spec`); then exit."""
+    resolved (:func:`~lightning_fedmeta.frontends.options.resolved_algorithm_spec`); then exit."""
     rest = [a for a in argv if a.split("=", 1)[0] != "--print_config"]
     config = parser.parse_args(rest)
     sub = config.get("subcommand")
@@ -621,7 +623,7 @@ def run(argv: Sequence[str] | None = None) -> Any:
         print_algorithms()
         return None
     if args and args[0] == "compare":
-        from lightning_fedmeta.compare import CompareError, compare_main
+        from lightning_fedmeta.frontends.compare import CompareError, compare_main
 
         try:
             compare_main(args[1:])

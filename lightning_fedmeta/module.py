@@ -4,7 +4,7 @@ A thin facade over the Trainer-free round engine (:mod:`lightning_fedmeta.loop`;
 docs/design.md): Lightning owns devices, precision, the optimizer, logging and checkpoints; the engine owns the round
 (participants → gather → compute → combine → step → commit), the evaluator the personalised evaluation, the module's
 own state lives in :class:`~lightning_fedmeta.frontends.fit_state.FitState` and DP's budget in
-:class:`~lightning_fedmeta.private_fit.PrivateFit`.
+:class:`~lightning_fedmeta.frontends.private_fit.PrivateFit`.
 """
 
 from __future__ import annotations
@@ -20,25 +20,16 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm
-from lightning_fedmeta.callbacks import round_bar_instead_of_default
-from lightning_fedmeta.checkpoint_state import restore_module_state, save_module_state
-from lightning_fedmeta.checkpointing import (
-    ResumeCandidate,
-    fedmeta_run_record,
-    install_atomic_checkpoint_io,
-    load_module_checkpoint,
-    loading_path,
-)
+from lightning_fedmeta.client.execution import ClientBatching
+from lightning_fedmeta.client.losses import PerSampleLoss
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.evaluation import Evaluator, format_summary
-from lightning_fedmeta.execution import ClientBatching
-from lightning_fedmeta.facade import MODULE_FORWARDS, forward_attributes
+from lightning_fedmeta.evaluation.metrics import MetricSpec
+from lightning_fedmeta.frontends.callbacks import round_bar_instead_of_default
+from lightning_fedmeta.frontends.checkpoint_state import restore_module_state, save_module_state
+from lightning_fedmeta.frontends.facade import MODULE_FORWARDS, forward_attributes
 from lightning_fedmeta.frontends.fit_state import FitState
-from lightning_fedmeta.loop import CompilePolicy, RankSplit, RoundEngine, StoreLocation
-from lightning_fedmeta.loop.schedule import ScheduleMode
-from lightning_fedmeta.losses import PerSampleLoss
-from lightning_fedmeta.metrics import MetricSpec
-from lightning_fedmeta.options import (
+from lightning_fedmeta.frontends.options import (
     FederatedSetupError,
     bind_model,
     build_algorithm,
@@ -48,16 +39,25 @@ from lightning_fedmeta.options import (
     server_optimizer_config,
     unsaved_arguments,
 )
-from lightning_fedmeta.personal_model import personal_model
-from lightning_fedmeta.precision import drop_loss_scaler
-from lightning_fedmeta.private_fit import PrivateFit
-from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.round_logging import (
+from lightning_fedmeta.frontends.personal_model import personal_model
+from lightning_fedmeta.frontends.precision import drop_loss_scaler
+from lightning_fedmeta.frontends.private_fit import PrivateFit
+from lightning_fedmeta.frontends.resume_settings import (
+    ResumeCandidate,
+    fedmeta_run_record,
+    load_module_checkpoint,
+    loading_path,
+)
+from lightning_fedmeta.frontends.round_logging import (
     log_round,
     log_summary,
     pending_evaluation_round,
     record_outside_validation,
 )
+from lightning_fedmeta.loop import CompilePolicy, RankSplit, RoundEngine, StoreLocation
+from lightning_fedmeta.loop.schedule import ScheduleMode
+from lightning_fedmeta.persistence.checkpoint_files import install_atomic_checkpoint_io
+from lightning_fedmeta.reliability.options import Reliability
 
 __all__ = ["FederatedModule", "FederatedSetupError", "format_summary"]
 
@@ -67,7 +67,7 @@ class FederatedModule(LightningModule):
 
     Args:
         model: any ``nn.Module`` (a ``LightningModule``'s ``forward`` too) mapping inputs to what the loss accepts;
-            ``None`` builds :func:`~lightning_fedmeta.models.default_model` from the data's shapes and task.
+            ``None`` builds :func:`~lightning_fedmeta.models.reference.default_model` from the data's shapes and task.
         algorithm: a registered name (``"fedavg"``), a mapping ``{name: ..., <hyper-parameters>}`` or an
             :class:`~lightning_fedmeta.Algorithm` instance.
         clients_per_round: clients sampled each round (exclusive with ``fraction``; 10 when neither is given).
@@ -79,22 +79,22 @@ class FederatedModule(LightningModule):
         server_lr_scheduler: a scheduler factory for the server optimizer, stepped every round.
         client_batching: ``"auto"`` (batched unless the model forbids it), ``"vmap"`` or ``"loop"``.
         client_chunk_size: clients per ``vmap`` call; ``None``: all; ``"auto"``: 100, and
-            :data:`~lightning_fedmeta.execution.CPU_CONV_CHUNK` for convolutions trained on the CPU.
-        compile_clients: ``torch.compile`` the batched client primitives (:mod:`lightning_fedmeta.compiled`):
+            :data:`~lightning_fedmeta.client.execution.CPU_CONV_CHUNK` for convolutions trained on the CPU.
+        compile_clients: ``torch.compile`` the batched client primitives (:mod:`lightning_fedmeta.client.compiled`):
             ``"auto"`` when the remaining rounds pay for the programs (decided after round 2, checkpointed),
             ``True`` always, ``False`` never. docs/performance.md.
         step_schedule: under ``local_epochs``, how clients with different step counts run
             (:mod:`lightning_fedmeta.loop.schedule`): ``"auto"`` (least time under a measured cost model),
             ``"grouped"``, ``"lockstep"`` or ``"compacted"``; the same numbers under each, to rounding.
-        cuda_graphs: replay each batched primitive as a CUDA graph (:mod:`lightning_fedmeta.graphs`): ``"auto"``
+        cuda_graphs: replay each batched primitive as a CUDA graph (:mod:`lightning_fedmeta.client.graphs`): ``"auto"``
             on a CUDA device, ``True`` (refused off a GPU) or ``False``.
         holdout_clients: clients never sampled in training (count, or fraction in [0, 1)), evaluated as new ones.
         seed: seed of client sampling and mini-batch draws (independent of the data seed).
-        loss: the per-sample loss: a name (:data:`~lightning_fedmeta.losses.LOSSES`), an import path, a
+        loss: the per-sample loss: a name (:data:`~lightning_fedmeta.client.losses.LOSSES`), an import path, a
             ``torch.nn`` loss module or a callable ``(outputs, targets) -> [B]``; ``None``: the model's
             ``federated_loss`` if it has one, else the task's default.
         metrics: the personalised metrics ``{name: spec}`` (a built-in name of
-            :data:`~lightning_fedmeta.metrics.BUILTIN_METRICS` or a torchmetrics ``Metric``), logged as
+            :data:`~lightning_fedmeta.evaluation.metrics.BUILTIN_METRICS` or a torchmetrics ``Metric``), logged as
             ``{stage}/{name}_weighted``, ``_mean`` and ``_worst10``; ``None``: accuracy, or MAE for regression.
         client_dropout: ``p``: each sampled client fails with probability ``p``; the round aggregates the others.
         over_selection: ``f``: sample ``⌈(1 + f)·m⌉`` clients and keep the first ``m`` that answer.
@@ -107,9 +107,10 @@ class FederatedModule(LightningModule):
         dp: client-level differential privacy (DP-FedAvg), ``{clip, noise_multiplier, delta, target_epsilon,
             adaptive_clip, secure_mode}``; ε logged every round; needs ``aggregation="uniform"``.
         client_state: where the clients' state rows live: ``"memory"``, ``"disk"`` (memory-mapped,
-            :class:`~lightning_fedmeta.disk_state.DiskClientStateStore`) or ``"auto"`` (disk above 2 GiB).
+            :class:`~lightning_fedmeta.persistence.disk_store.DiskClientStateStore`) or ``"auto"`` (disk above 2 GiB).
         client_state_dir: the disk store's folder (``None``: ``<trainer.default_root_dir>/client_state``).
-        compression: of uploads and downloads, on the client (:mod:`lightning_fedmeta.compression`): an upload name
+        compression: of uploads and downloads, on the client (:mod:`lightning_fedmeta.communication.compressors`): an
+        upload name
             or ``{upload: qsgd, bits: 8, download: float16}``. docs/communication.md.
 
     The reliability options (the last six) and the combinations refused at setup: docs/reliability.md.
@@ -226,7 +227,7 @@ class FederatedModule(LightningModule):
         return RankSplit.of(self.trainer) if self._trainer is not None else RankSplit()
 
     def configure_callbacks(self) -> list[Any]:
-        """A round-counting progress bar in place of Lightning's own (:func:`~lightning_fedmeta.callbacks.
+        """A round-counting progress bar in place of Lightning's own (:func:`~lightning_fedmeta.frontends.callbacks.
         round_bar_instead_of_default`)."""
         return round_bar_instead_of_default(self.trainer) if self._trainer is not None else []
 
@@ -267,15 +268,15 @@ class FederatedModule(LightningModule):
     def round_steps(self, round_idx: int, clients: Tensor) -> Tensor:
         return self.engine.federation.round_steps(round_idx, clients, self.algorithm.round_plan().steps)
 
-    # -- differential privacy (lightning_fedmeta.private_fit.PrivateFit) ---------------------------
+    # -- differential privacy (lightning_fedmeta.frontends.private_fit.PrivateFit) ---------------------------
     def _sample_rate(self) -> float:
         return self.num_sampled / int(self.eligible.numel())
 
     def on_train_start(self) -> None:
         """Under ``model.dp``: continue the model's privacy record and choose the noise source
-        (:func:`~lightning_fedmeta.private_fit.start_private_fit`); after a resume, run the evaluation the
+        (:func:`~lightning_fedmeta.frontends.private_fit.start_private_fit`); after a resume, run the evaluation the
         checkpoint was written before. Under ``16-mixed`` the loss scaler is dropped
-        (:mod:`~lightning_fedmeta.precision`)."""
+        (:mod:`~lightning_fedmeta.frontends.precision`)."""
         drop_loss_scaler(self.trainer)
         broadcast = None
         if self.trainer.world_size > 1:
@@ -368,9 +369,9 @@ class FederatedModule(LightningModule):
         weights_only: bool | None = None, **kwargs: Any,
     ) -> FederatedModule:
         """``LightningModule.load_from_checkpoint``, checked (docs/reliability.md, "Crashes and checkpoints"):
-        a damaged file raises :class:`~lightning_fedmeta.checkpointing.CheckpointDamagedError` naming it, and a
+        a damaged file raises :class:`~lightning_fedmeta.persistence.checksums.CheckpointDamagedError` naming it, and a
         keyword argument that changes a setting of the checkpoint (other than the execution and evaluation
-        settings that may change) raises :class:`~lightning_fedmeta.checkpointing.CheckpointSettingsError`.
+        settings that may change) raises :class:`~lightning_fedmeta.persistence.safe_loading.CheckpointSettingsError`.
         Pass ``model=`` again for a custom architecture."""
         return load_module_checkpoint(cls, checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
 

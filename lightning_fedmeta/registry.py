@@ -172,7 +172,8 @@ def _is_algorithm(obj: Any) -> bool:
 
 
 ALGORITHMS = PluginRegistry(ENTRY_POINT_GROUP, "algorithm", _is_algorithm, "an lightning_fedmeta.Algorithm subclass")
-#: robust aggregation rules (:mod:`lightning_fedmeta.robust`): classes built with their options, called on rows
+#: robust aggregation rules (:mod:`lightning_fedmeta.reliability.robust`): classes built with their options, called on
+# rows
 AGGREGATORS = PluginRegistry(AGGREGATOR_GROUP, "aggregator", callable,
                              "a class (or factory) whose instances combine rows: rule(rows, weights, f=, steps=)")
 #: named datasets (:mod:`lightning_fedmeta.data.plugins`): callables returning a FederatedData

@@ -56,23 +56,23 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, client_records
-from lightning_fedmeta.communication import payload_bytes, upload_of_client
+from lightning_fedmeta.client.execution import choose_batching, run_clients
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.sampling import stable_seed
+from lightning_fedmeta.communication.accounting import payload_bytes, upload_of_client
 from lightning_fedmeta.data.datamodule import FederatedDataModule
 from lightning_fedmeta.data.federated import FederatedData, FederatedDataset, from_client_tensors
-from lightning_fedmeta.execution import choose_batching, run_clients
-from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.loop.server import apply_server_step
-from lightning_fedmeta.module import FederatedModule
-from lightning_fedmeta.registry import create_algorithm, load_algorithm
-from lightning_fedmeta.sampling import stable_seed
-from lightning_fedmeta.state import flatten_state, map_state, unflatten_state
-from lightning_fedmeta.validation import (
+from lightning_fedmeta.loop.validation import (
     named_leaves,
     validate_aggregate_output,
     validate_client_output,
     validate_init_client_states,
     validate_init_server_state,
 )
+from lightning_fedmeta.module import FederatedModule
+from lightning_fedmeta.persistence.memory_store import flatten_state, map_state, unflatten_state
+from lightning_fedmeta.registry import create_algorithm, load_algorithm
 
 __all__ = [
     "CHECKS",
@@ -1162,7 +1162,8 @@ def check_aggregator(spec: str | Mapping[str, Any], *, n: int = 9, d: int = 6, f
     ``spec`` is what a user writes as ``model.aggregator`` (a name, or ``{"name": ..., <options>}``). On ``n``
     random rows ``[n, d]`` (float32 and float64) with weights summing to 1 and ``f`` assumed Byzantine updates:
 
-    * ``parse``: the name resolves and the options are accepted (:func:`~lightning_fedmeta.robust.parse_aggregator`);
+    * ``parse``: the name resolves and the options are accepted
+    (:func:`~lightning_fedmeta.reliability.robust.parse_aggregator`);
     * ``shape``: ``rule(rows, weights, f=, steps=)`` returns a finite ``[d]`` tensor of the rows' dtype and leaves
       its inputs unchanged;
     * ``determinism``: a second call returns the same tensor, bit for bit;
@@ -1173,7 +1174,7 @@ def check_aggregator(spec: str | Mapping[str, Any], *, n: int = 9, d: int = 6, f
     * ``fit``: with ``fit=True``, three rounds of FedAvg with ``model.aggregator`` set to ``spec`` on 8 synthetic
       clients, by name, keep the model finite.
     """
-    from lightning_fedmeta.robust import aggregate_rows, parse_aggregator
+    from lightning_fedmeta.reliability.robust import aggregate_rows, parse_aggregator
 
     label = spec if isinstance(spec, str) else dict(spec).get("name", "mean")
     try:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative, check_range
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_dot, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_axpy, tree_dot, tree_sub
 
 __all__ = ["APFL", "mix"]
 

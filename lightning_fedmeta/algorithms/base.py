@@ -34,9 +34,9 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
-from lightning_fedmeta.sampling import BatchPlan  # defined there, below the algorithms; re-exported
-from lightning_fedmeta.state import map_state
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_weighted_sum
+from lightning_fedmeta.client.sampling import BatchPlan  # defined there, below the algorithms; re-exported
+from lightning_fedmeta.persistence.memory_store import map_state
 
 __all__ = [
     "COMMON_ARGS",
@@ -219,7 +219,7 @@ class Algorithm(ABC):
     batchable: ClassVar[bool] = True
     #: whether ``client_update`` honours a per-client budget of local steps (``model.local_steps_dist``): a step whose
     #: batch is empty (every mask entry 0: beyond the client's budget) leaves the client exactly as it was and is not
-    #: counted (see :func:`~lightning_fedmeta.functional.has_samples`). The loop refuses budgets for algorithms
+    #: counted (see :func:`~lightning_fedmeta.client.functional.has_samples`). The loop refuses budgets for algorithms
     #: that do not declare it.
     step_budget: ClassVar[bool] = False
     #: common arguments (:data:`COMMON_ARGS`) this algorithm does not use, each mapped to the reason
@@ -474,7 +474,8 @@ class Algorithm(ABC):
 
         Override it when :meth:`client_update` reads more (server state such as SCAFFOLD's ``c``, cluster models)
         or something else; ``client`` is the client's unstacked record. What is declared is counted in bytes
-        (:mod:`lightning_fedmeta.communication`); ``check_algorithm`` checks that ``client_update`` reads nothing
+        (:mod:`lightning_fedmeta.communication.accounting`); ``check_algorithm`` checks that ``client_update`` reads
+        nothing
         of ``params`` and ``server_state`` that the declared tensors do not depend on, and that their sizes do
         not depend on the client."""
         return dict(params)

@@ -49,7 +49,7 @@ from lightning_fedmeta.algorithms.clustering import (
     pairwise_cosine_similarity,
 )
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
 __all__ = ["CFL"]
 

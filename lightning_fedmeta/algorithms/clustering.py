@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientRecord
 from lightning_fedmeta.algorithms.rows import one_hot  # re-exported (its old home)
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum, weighted_sum
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_weighted_sum, weighted_sum
 
 __all__ = [
     "CLUSTER",

@@ -27,8 +27,8 @@ from lightning_fedmeta.algorithms.base import (
     phase_epochs,
 )
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
-from lightning_fedmeta.sampling import phase_lengths
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.client.sampling import phase_lengths
 
 __all__ = ["Ditto"]
 
@@ -53,7 +53,7 @@ class Ditto(PersonalModel):
     for its personal model. Under ``local_epochs`` (E) the round is two phases of epochs, ``(E, E_p)`` with
     ``E_p = personal_epochs``: client ``c`` takes ``E·nb_c`` global then ``E_p·nb_c`` personal steps
     (``nb_c = ⌈n_c/B⌉``), each phase in its own block of the step axis, padded with empty steps
-    (:func:`~lightning_fedmeta.sampling.phase_lengths`); both phases skip empty steps.
+    (:func:`~lightning_fedmeta.client.sampling.phase_lengths`); both phases skip empty steps.
     Client state: ``{"personal": {name: tensor}}``, the personal model (read only once the client has trained:
     before that, its personal model is the current global one).
     """

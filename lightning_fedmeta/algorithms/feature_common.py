@@ -9,7 +9,7 @@ parameters (by :func:`~lightning_fedmeta.algorithms.shared_representation.head_n
 tensor computation, so it runs under ``torch.func.grad`` and ``vmap``.
 
 Models with prepared BatchNorm layers (running statistics tracked per client by the
-:class:`~lightning_fedmeta.functional.ClientContext`) are refused: this forward does not go through the
+:class:`~lightning_fedmeta.client.functional.ClientContext`) are refused: this forward does not go through the
 context's statistics scope. Models with GroupNorm or LayerNorm (no running statistics) run.
 """
 
@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_fedmeta import running_stats
 from lightning_fedmeta.algorithms.heads import head_names
-from lightning_fedmeta.functional import ClientContext, Params
+from lightning_fedmeta.client import batchnorm_stats as running_stats
+from lightning_fedmeta.client.functional import ClientContext, Params
 
 __all__ = ["KNOWN", "PROTOTYPES", "LinearHead", "class_sums", "empty_prototypes", "features_and_logits", "linear_head"]
 

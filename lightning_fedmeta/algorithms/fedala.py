@@ -57,7 +57,7 @@ from lightning_fedmeta.algorithms.base import (
     started_from,
 )
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["FedALA"]
 

@@ -60,7 +60,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord, check_positive
 from lightning_fedmeta.algorithms.regularized import MODELS, SEEN, WEIGHTS, SimilarityRegularizedMTL
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.client.functional import Params
 
 __all__ = ["FedAMP", "attention_weights"]
 

@@ -82,7 +82,7 @@ from lightning_fedmeta.algorithms.base import (
 from lightning_fedmeta.algorithms.feature_common import LinearHead, class_sums, features_and_logits, linear_head
 from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
 __all__ = ["FedAS", "fisher_weights"]
 

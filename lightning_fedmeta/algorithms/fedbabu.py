@@ -46,7 +46,7 @@ from torch import Tensor
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
 
 __all__ = ["FedBABU", "body_sgd"]
 

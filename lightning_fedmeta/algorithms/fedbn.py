@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_fedmeta.algorithms.personal_layers_common import PersonalLayers
-from lightning_fedmeta.functional import ClientContext, Params
+from lightning_fedmeta.client.functional import ClientContext, Params
 
 __all__ = ["FedBN", "NORM_LAYERS", "normalisation_parameters"]
 

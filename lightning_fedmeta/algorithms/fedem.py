@@ -58,7 +58,7 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.clustering import one_hot, stack_perturbed
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub, tree_weighted_sum
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, has_samples, tree_sub, tree_weighted_sum
 
 __all__ = ["FedEM", "e_step", "weighted_step"]
 

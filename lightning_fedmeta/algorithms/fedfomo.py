@@ -48,7 +48,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import BatchPlan, ClientOutput, ClientRecord, PersonalModel
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["FedFomo", "first_order_combination"]
 

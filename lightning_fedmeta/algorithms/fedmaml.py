@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_scale
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_axpy, tree_scale
 
 __all__ = [
     "BETA_IS_LOCAL_LR", "META_FINETUNE_DEFAULTS", "FedMAML", "beta_meta_rates", "maml_meta_gradient", "maml_plan",

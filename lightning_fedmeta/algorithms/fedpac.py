@@ -61,7 +61,7 @@ rate ``finetune_lr``) on its training data; a training client fine-tunes its own
 
 Common arguments. ``local_steps`` are the body phase's steps, after ``head_steps`` head steps (a round draws
 ``head_steps + local_steps`` batches of ``batch_size``); under ``local_epochs`` the round is two phases of epochs
-``(head_epochs, local_epochs)`` (:func:`~lightning_fedmeta.sampling.phase_lengths`). ``local_lr`` is the body's
+``(head_epochs, local_epochs)`` (:func:`~lightning_fedmeta.client.sampling.phase_lengths`). ``local_lr`` is the body's
 rate (and the head's unless ``head_lr``); ``finetune_steps``/``finetune_epochs``/``finetune_lr``/
 ``finetune_batch_size`` drive the evaluation-time head steps. All are used.
 """
@@ -97,8 +97,8 @@ from lightning_fedmeta.algorithms.feature_common import (
 from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
 from lightning_fedmeta.algorithms.rows import take_rows
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_weighted_sum
-from lightning_fedmeta.sampling import phase_lengths
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_weighted_sum
+from lightning_fedmeta.client.sampling import phase_lengths
 
 __all__ = ["FedPAC", "combination_weights", "feature_statistics", "project_to_simplex", "simplex_qp"]
 

@@ -57,7 +57,7 @@ from lightning_fedmeta.algorithms.feature_common import (
 )
 from lightning_fedmeta.algorithms.heads import check_head_prefix
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["FedProto"]
 

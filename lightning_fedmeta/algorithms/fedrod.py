@@ -50,7 +50,7 @@ from torch.func import grad
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
 from lightning_fedmeta.algorithms.heads import head_names
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["FedRoD", "balanced_log_prior"]
 

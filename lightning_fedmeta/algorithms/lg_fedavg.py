@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from lightning_fedmeta.algorithms.heads import head_names
 from lightning_fedmeta.algorithms.personal_layers_common import PersonalLayers
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.client.functional import Params
 
 __all__ = ["LGFedAvg"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.compiled import ZERO
-from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples
+from lightning_fedmeta.client.compiled import ZERO
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, has_samples
 
 __all__ = ["local_sgd", "mean_over_taken_steps", "prox_sgd", "prox_step"]
 

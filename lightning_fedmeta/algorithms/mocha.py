@@ -79,7 +79,7 @@ from lightning_fedmeta.algorithms.base import (
     check_range,
 )
 from lightning_fedmeta.algorithms.clustering import one_hot
-from lightning_fedmeta.functional import Batch, ClientContext, Params, weighted_sum
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, weighted_sum
 
 __all__ = ["Mocha", "covariance_update", "dual_scaling"]
 
@@ -158,7 +158,7 @@ class Mocha(Algorithm):
     @classmethod
     def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         """MOCHA learns linear task models: logistic regression on the flattened inputs."""
-        from lightning_fedmeta.models import LogisticRegression
+        from lightning_fedmeta.models.reference import LogisticRegression
 
         return LogisticRegression(math.prod(input_shape), num_classes)
 
@@ -225,7 +225,7 @@ class Mocha(Algorithm):
             shapes = {k: tuple(v.shape) for k, v in params.items()}
             raise ValueError(
                 "MOCHA needs a linear model: one weight [C, d] and at most one bias [C] "
-                f"(e.g. lightning_fedmeta.models.LogisticRegression); got parameters {shapes}"
+                f"(e.g. lightning_fedmeta.models.reference.LogisticRegression); got parameters {shapes}"
             )
         return weights[0], (biases[0] if biases else None)
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.algorithms.regularized import RegularizedMTL
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.client.functional import Params
 
 __all__ = ["MTLMean"]
 

@@ -32,7 +32,7 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.fedmaml import BETA_IS_LOCAL_LR, META_FINETUNE_DEFAULTS, beta_meta_rates
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_axpy, tree_sub
 
 __all__ = ["PerFedAvg", "PerFedAvgVariant", "hessian_free_hvp"]
 

@@ -46,7 +46,7 @@ from lightning_fedmeta.algorithms.fedmaml import (
     split_support_query,
 )
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params, has_samples, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, has_samples, tree_sub
 
 __all__ = ["PerFedMAML"]
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_zeros_like
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_zeros_like
 
 __all__ = ["PERSONAL", "PersonalLayers"]
 

@@ -62,7 +62,7 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.algorithms.rows import take_row
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["PFedHN", "generate"]
 

@@ -51,7 +51,7 @@ from torch import Tensor
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord, PersonalModel, check_non_negative
 from lightning_fedmeta.algorithms.local_steps import prox_sgd
 from lightning_fedmeta.algorithms.rows import take_column, take_row
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
 
 __all__ = [
     "RegularizedMTL",

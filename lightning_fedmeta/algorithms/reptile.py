@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, check_non_negative
 from lightning_fedmeta.algorithms.fedmaml import META_FINETUNE_DEFAULTS
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub
 
 __all__ = ["Reptile"]
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import (
+from lightning_fedmeta.client.functional import (
     Batch,
     ClientContext,
     Params,

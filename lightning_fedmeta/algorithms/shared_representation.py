@@ -36,8 +36,8 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.heads import check_head_prefix, head_names  # re-exported (their old home)
 from lightning_fedmeta.algorithms.local_steps import mean_over_taken_steps
-from lightning_fedmeta.functional import Batch, ClientContext, Params
-from lightning_fedmeta.sampling import phase_lengths
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.sampling import phase_lengths
 
 __all__ = ["FedRep", "FedPer", "SharedRepresentation", "check_head_prefix", "head_names"]
 
@@ -121,7 +121,7 @@ class FedRep(SharedRepresentation):
     A round draws ``head_steps + local_steps`` mini-batches (head steps first). Under ``local_epochs`` the round
     is two phases of epochs, ``(head_epochs, local_epochs)``: client ``c`` takes ``head_epochs·nb_c`` head then
     ``local_epochs·nb_c`` body steps (``nb_c = ⌈n_c/B⌉``), each phase in its own block of the step axis padded
-    with empty steps (:func:`~lightning_fedmeta.sampling.phase_lengths`), which change nothing.
+    with empty steps (:func:`~lightning_fedmeta.client.sampling.phase_lengths`), which change nothing.
     """
 
     name = "fedrep"

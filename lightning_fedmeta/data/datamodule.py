@@ -391,7 +391,7 @@ class FederatedDataModule(L.LightningDataModule):
         ``torch.load(weights_only=True)`` (URLs too; ``weights_only=False`` is refused), and a saved setting that
         names a folder or code (``root``, a dataset class) is taken only when passed again as a keyword argument
         (``root=...``); ``hparams_file`` (a YAML file of your choosing) replaces the saved settings."""
-        from lightning_fedmeta.checkpointing import (
+        from lightning_fedmeta.persistence.safe_loading import (
             CheckpointSettingsError,
             code_or_path_settings,
             load_checkpoint_file,

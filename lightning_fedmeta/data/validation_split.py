@@ -1,7 +1,7 @@
 """A validation split carved out of every client's training data, for tuning without the test set.
 
 With ``fraction = f`` client i's ``n_i`` training samples are permuted by a generator seeded from
-``(seed, "validation", i)`` (:func:`lightning_fedmeta.sampling.generator_for`), and
+``(seed, "validation", i)`` (:func:`lightning_fedmeta.client.sampling.generator_for`), and
 
     v_i = min(n_i − 1, max(1, round(f · n_i)))      (round half to even, as torch.round)
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_fedmeta.client.sampling import generator_for
 from lightning_fedmeta.data.federated import FederatedData
-from lightning_fedmeta.sampling import generator_for
 
 __all__ = ["validation_sizes", "validation_split"]
 

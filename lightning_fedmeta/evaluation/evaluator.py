@@ -2,7 +2,8 @@
 
 For client ``i`` at round ``r``:  ``w_i = algorithm.personalize(w, adapt batches_i, state_i, σ, record_i)`` and
 its test samples give masked sums of the loss and of each built-in metric. The clients run in chunks of
-``client_chunk_size`` (streamed into :class:`~lightning_fedmeta.metrics.ClientMetrics`: bounded memory for any
+``client_chunk_size`` (streamed into :class:`~lightning_fedmeta.evaluation.metrics.ClientMetrics`: bounded memory for
+any
 ``K``), looped or ``vmap``-ed like training. Summaries per group (training clients, held-out clients, honest
 clients under ``model.byzantine``): the sample-weighted mean, the unweighted mean and the worst decile.
 """
@@ -19,15 +20,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.client.execution import AUTO_CHUNK, run_clients, training_chunk_size
+from lightning_fedmeta.client.functional import Batch, Params
+from lightning_fedmeta.client.sampling import generator_for
 from lightning_fedmeta.evaluation.fairness import summaries_with_spread
+from lightning_fedmeta.evaluation.metrics import ClientMetrics, MetricSpec
 from lightning_fedmeta.evaluation.report import format_summary
 from lightning_fedmeta.evaluation.scoring import score_client
-from lightning_fedmeta.execution import AUTO_CHUNK, run_clients, training_chunk_size
-from lightning_fedmeta.functional import Batch, Params
 from lightning_fedmeta.loop.engine import RoundEngine
 from lightning_fedmeta.loop.ranks import RankSplit
-from lightning_fedmeta.metrics import ClientMetrics, MetricSpec
-from lightning_fedmeta.sampling import generator_for
 
 __all__ = ["Evaluator", "Summary"]
 

@@ -9,7 +9,7 @@ Li et al. 2020, report the variance and the percentiles of the per-client accura
   the order statistics (``numpy.quantile``'s default, ``torch.quantile``): ``q_p = v_(⌊h⌋) + (h − ⌊h⌋)
   (v_(⌊h⌋+1) − v_(⌊h⌋))`` with ``h = p (K − 1)`` over the sorted values ``v_(0) ≤ … ≤ v_(K−1)``.
 
-Clients with an undefined value (NaN) are left out, as in :func:`~lightning_fedmeta.metrics.summarize`.
+Clients with an undefined value (NaN) are left out, as in :func:`~lightning_fedmeta.evaluation.metrics.summarize`.
 
 The best round: the evaluation whose weighted value is the best (maximum of a higher-is-better metric, minimum
 otherwise; the earliest such round on a tie), labelled with the split it was chosen on: ``"best round (chosen on
@@ -60,7 +60,8 @@ def spread_keys(directions: Mapping[str, bool]) -> list[str]:
 
 
 def summaries_with_spread(metrics: Any, groups: Mapping[str, Tensor]) -> dict[str, Any]:
-    """``metrics.summaries(groups)`` (a :class:`~lightning_fedmeta.metrics.ClientMetrics`) with the per-client spread
+    """``metrics.summaries(groups)`` (a :class:`~lightning_fedmeta.evaluation.metrics.ClientMetrics`) with the
+    per-client spread
     of every reported metric (:func:`spread_keys` of ``metrics.directions``) under ``summary[SPREAD_KEY]``: the one
     place an evaluation's summary is formed, for the Lightning module's evaluator and the Flower ServerApp."""
     summary = metrics.summaries(groups)

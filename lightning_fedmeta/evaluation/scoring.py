@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientRecord
-from lightning_fedmeta.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
 
 __all__ = ["score_client"]
 

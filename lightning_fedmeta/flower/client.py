@@ -30,17 +30,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
+from lightning_fedmeta.client.batchnorm_stats import prepare_model
+from lightning_fedmeta.client.execution import choose_batching
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.losses import LOSSES, resolve_loss
 from lightning_fedmeta.data.federated import FederatedData, from_client_tensors
+from lightning_fedmeta.evaluation.metrics import BUILTIN_METRICS, DEFAULT_METRICS
 from lightning_fedmeta.evaluation.scoring import score_client
-from lightning_fedmeta.execution import choose_batching
 from lightning_fedmeta.flower.config import DeploymentConfig, import_object, load_config
-from lightning_fedmeta.functional import Batch, ClientContext, Params
 from lightning_fedmeta.loop.clients import loop_seeds, run_client_updates
 from lightning_fedmeta.loop.gather import BatchGatherer
-from lightning_fedmeta.losses import LOSSES, resolve_loss
-from lightning_fedmeta.metrics import BUILTIN_METRICS, DEFAULT_METRICS
-from lightning_fedmeta.running_stats import prepare_model
-from lightning_fedmeta.state import map_state
+from lightning_fedmeta.persistence.memory_store import map_state
 
 __all__ = ["NODE_SETTINGS", "STATISTICS", "LocalClient", "client_for", "data_spec_of", "load_partition",
            "node_setting", "partition_of", "population_view"]

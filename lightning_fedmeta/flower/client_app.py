@@ -40,7 +40,7 @@ from lightning_fedmeta.flower.client import (
 from lightning_fedmeta.flower.compressed import RESIDUAL, client_upload
 from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
 from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
-from lightning_fedmeta.state import map_state
+from lightning_fedmeta.persistence.memory_store import map_state
 
 __all__ = ["app", "handle_query", "handle_train", "handle_evaluate"]
 

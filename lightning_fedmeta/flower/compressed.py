@@ -8,7 +8,8 @@ The record carries the compressed representation itself, so the bytes on the wir
 * ``topk``/``randomk``: the ``k`` float32 values in index order and either ``k`` int32 ``indices`` or a
   ``⌈d/8⌉``-byte ``bitmap`` of the kept coordinates, whichever is smaller.
 
-The arrays' payload is exactly :meth:`~lightning_fedmeta.compression.Compressor.encoded_bytes` of the row (the
+The arrays' payload is exactly :meth:`~lightning_fedmeta.communication.compressors.Compressor.encoded_bytes` of the row
+(the
 record adds Flower's framing), and :func:`decode_upload` gives the row :meth:`Compressor.roundtrip` gives in
 simulation, bit for bit, for the same uniforms.
 """
@@ -23,8 +24,15 @@ import torch
 from flwr.app import ArrayRecord
 from torch import Tensor
 
-from lightning_fedmeta.compression import QSGD, Compressor, HalfPrecision, RandomK, TopK, compression_noise
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.communication.compressors import (
+    QSGD,
+    Compressor,
+    HalfPrecision,
+    RandomK,
+    TopK,
+    compression_noise,
+)
+from lightning_fedmeta.persistence.memory_store import flatten_state
 
 __all__ = ["RESIDUAL", "client_upload", "decode_upload", "encode_upload", "payload_bytes_of", "upload_layout",
            "wire_bytes"]
@@ -145,9 +153,10 @@ def upload_layout(compressor: Compressor, numel: int) -> dict[str, tuple[tuple[i
 def client_upload(compressor: Compressor, delta: dict[str, Tensor], residual: Tensor | None, seed: int,
                   round_idx: int, client: int) -> tuple[ArrayRecord, Tensor | None]:
     """A node's compressed ``delta`` record and its new top-k residual, as the simulation's
-    :class:`~lightning_fedmeta.loop.compress.CompressionStage` computes them: ``v = flat(Δ)`` (float32, in the
+    :class:`~lightning_fedmeta.loop.compression_stage.CompressionStage` computes them: ``v = flat(Δ)`` (float32, in the
     delta's key order), ``a = v + e`` with error feedback, the record of ``a`` (uniforms of
-    :func:`~lightning_fedmeta.compression.compression_noise` for ``(seed, round, client)``) and ``e' = a − â``."""
+    :func:`~lightning_fedmeta.communication.compressors.compression_noise` for ``(seed, round, client)``) and ``e' = a
+    − â``."""
     row = torch.cat([v.detach().cpu().reshape(-1) for v in flatten_state(delta).values()]).to(torch.float32)
     noise = compression_noise(seed, round_idx, torch.tensor([client]), row.numel())[0] if compressor.random else None
     if not compressor.error_feedback:

@@ -91,7 +91,8 @@ class DeploymentConfig:
     server_optimizer_spec: Any = None
     data_options: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 10
-    #: ``m``, resolved as ``FederatedModule`` resolves it (:func:`~lightning_fedmeta.options.check_options`: its
+    #: ``m``, resolved as ``FederatedModule`` resolves it (:func:`~lightning_fedmeta.frontends.options.check_options`:
+    # its
     #: default when neither ``clients_per_round`` nor ``fraction`` is set; ``None`` with ``fraction``)
     clients_per_round: int | None = None
 
@@ -117,17 +118,18 @@ class DeploymentConfig:
         return int(self.module_options.get("seed", 0))
 
     def compression(self) -> Any:
-        """``model.compression`` parsed (:func:`~lightning_fedmeta.compression.parse_compression`; ``None``: off)."""
-        from lightning_fedmeta.compression import parse_compression
+        """``model.compression`` parsed (:func:`~lightning_fedmeta.communication.compressors.parse_compression`;
+        ``None``: off)."""
+        from lightning_fedmeta.communication.compressors import parse_compression
 
         return parse_compression(self.module_options.get("compression"))
 
     def build_model(self, data_spec: dict[str, Any]) -> nn.Module:
         """The network, initialised after ``torch.manual_seed(seed_everything)`` (the initial global model).
 
-        ``model.model`` when given, else :func:`~lightning_fedmeta.models.default_model` for ``data_spec``
+        ``model.model`` when given, else :func:`~lightning_fedmeta.models.reference.default_model` for ``data_spec``
         (``input_shape``, ``num_classes``, ``task``, ``target_shape``)."""
-        from lightning_fedmeta.models import default_model
+        from lightning_fedmeta.models.reference import default_model
 
         if self.seed_everything is not None:
             torch.manual_seed(int(self.seed_everything))
@@ -224,13 +226,14 @@ def load_config(path: str | Path) -> DeploymentConfig:
 
 def check_module_options(cfg: DeploymentConfig, model: dict[str, Any]) -> int | None:
     """Run the checks ``FederatedModule.__init__`` runs on the same options, with the same messages
-    (:func:`~lightning_fedmeta.options.check_options`, :func:`~lightning_fedmeta.options.check_server_optimizer`,
+    (:func:`~lightning_fedmeta.frontends.options.check_options`,
+    :func:`~lightning_fedmeta.frontends.options.check_server_optimizer`,
     the metrics and the reliability options), so a config the simulator refuses is refused here too, before any
     node is contacted (``clients_per_round: 0`` or ``-2`` would otherwise run). Returns ``clients_per_round`` as
     the module resolves it (its default when neither it nor ``fraction`` is set)."""
-    from lightning_fedmeta.metrics import ClientMetrics
-    from lightning_fedmeta.options import check_options, check_server_optimizer
-    from lightning_fedmeta.reliability import Reliability
+    from lightning_fedmeta.evaluation.metrics import ClientMetrics
+    from lightning_fedmeta.frontends.options import check_options, check_server_optimizer
+    from lightning_fedmeta.reliability.options import Reliability
 
     server_lr = model.get("server_lr", 1.0)
     if isinstance(server_lr, bool) or not isinstance(server_lr, int | float):

@@ -1,7 +1,8 @@
 """Tensors and client records in Flower's records (``ArrayRecord``, ``ConfigRecord``, ``MetricRecord``).
 
 Pytrees of tensors (parameters, client and server state, extras) travel flattened with
-:func:`~lightning_fedmeta.state.flatten_state` (nested keys joined by ``/``), one ``ArrayRecord`` per tree;
+:func:`~lightning_fedmeta.persistence.memory_store.flatten_state` (nested keys joined by ``/``), one ``ArrayRecord``
+per tree;
 dtypes and shapes are kept exactly (float32, float64, int64, bool, 0-d included), so a tree read back equals
 the tree sent bit for bit. A :class:`~lightning_fedmeta.algorithms.base.ClientRecord` travels as an
 ``ArrayRecord`` of its five fields.
@@ -16,7 +17,7 @@ from flwr.app import ArrayRecord
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientRecord
-from lightning_fedmeta.state import flatten_state, unflatten_state
+from lightning_fedmeta.persistence.memory_store import flatten_state, unflatten_state
 
 __all__ = ["tree_to_record", "record_to_tree", "client_record_to_record", "record_to_client_record"]
 

@@ -31,8 +31,8 @@ from flwr.app import RecordDict
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
-from lightning_fedmeta.compression import Compressor
-from lightning_fedmeta.state import flatten_state, unflatten_state
+from lightning_fedmeta.communication.compressors import Compressor
+from lightning_fedmeta.persistence.memory_store import flatten_state, unflatten_state
 
 __all__ = ["RejectedReply", "ReplySpec", "check_eval_reply", "check_query_reply", "check_statistics_reply",
            "check_train_reply", "honest_output"]

@@ -41,11 +41,11 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
-from lightning_fedmeta.atomic_io import atomic_write
-from lightning_fedmeta.communication import TrafficCounter, sent_model
-from lightning_fedmeta.compression import check_composition
-from lightning_fedmeta.dp_draws import KEY_BYTES, DPDraws
+from lightning_fedmeta.client.functional import Params
+from lightning_fedmeta.communication.accounting import TrafficCounter, sent_model
+from lightning_fedmeta.communication.compressors import check_composition
 from lightning_fedmeta.evaluation.fairness import flat_spread, summaries_with_spread
+from lightning_fedmeta.evaluation.metrics import DEFAULT_METRICS, ClientMetrics
 from lightning_fedmeta.flower.compressed import wire_bytes
 from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
 from lightning_fedmeta.flower.records import client_record_to_record, tree_to_record
@@ -59,17 +59,17 @@ from lightning_fedmeta.flower.replies import (
     honest_output,
 )
 from lightning_fedmeta.flower.state_file import atomic_torch_save as atomic_save
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.frontends.private_fit import continue_privacy_record
 from lightning_fedmeta.loop.engine import RoundEngine
 from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.round import RoundResult
 from lightning_fedmeta.loop.server import ServerPipeline
-from lightning_fedmeta.metrics import DEFAULT_METRICS, ClientMetrics
-from lightning_fedmeta.privacy import hides_cohort_size
-from lightning_fedmeta.privacy_budget import PrivacyBudget
-from lightning_fedmeta.private_fit import continue_privacy_record
-from lightning_fedmeta.reliability import Reliability, uploads_delta
-from lightning_fedmeta.state import flatten_state, unflatten_state
+from lightning_fedmeta.persistence.atomic_io import atomic_write
+from lightning_fedmeta.persistence.memory_store import flatten_state, unflatten_state
+from lightning_fedmeta.privacy.budget import PrivacyBudget
+from lightning_fedmeta.privacy.draws import KEY_BYTES, DPDraws
+from lightning_fedmeta.privacy.mechanism import hides_cohort_size
+from lightning_fedmeta.reliability.options import Reliability, uploads_delta
 
 __all__ = ["DeploymentServer", "GridLike", "NODE_UNAVAILABLE", "RETRYABLE"]
 
@@ -391,7 +391,7 @@ class DeploymentServer:
 
     def statistics(self) -> dict[str, Tensor]:
         """The model's BatchNorm running statistics (``{}`` without them): what a client that never trained
-        starts from, as the engine's :meth:`~lightning_fedmeta.loop.client_state.RunningStatistics.starting`."""
+        starts from, as the engine's :meth:`~lightning_fedmeta.loop.client_storage.RunningStatistics.starting`."""
         assert self.engine is not None
         own = dict(self.model.named_buffers())
         return {n: own[n].detach() for n in self.engine.running.names}

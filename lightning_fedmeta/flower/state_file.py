@@ -14,7 +14,7 @@ round recomputes from the same state: exactly the in-process loop, where a faile
 The folder also holds ``run-token``: the random token of the deployment that owns it (the ServerApp draws it
 once and keeps it in its checkpoint, so a resumed server keeps it). A second deployment that reuses the run key
 on the same node is refused with a message naming both tokens, instead of overwriting (or reading) the first
-one's personal state. Files are written atomically (:func:`lightning_fedmeta.atomic_io.atomic_torch_save`:
+one's personal state. Files are written atomically (:func:`lightning_fedmeta.persistence.atomic_io.atomic_torch_save`:
 temporary file in the same folder, ``fsync``, ``os.replace``, folder ``fsync``), so a crash never leaves a
 half-written state.
 """
@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from lightning_fedmeta.atomic_io import (  # atomic_torch_save re-exported: flower/server.py imports it from here
+from lightning_fedmeta.persistence.atomic_io import (  # atomic_torch_save re-exported: flower/server.py imports it
+# from here
     atomic_torch_save,
     atomic_write_bytes,
 )
-from lightning_fedmeta.state import flatten_state, unflatten_state
+from lightning_fedmeta.persistence.memory_store import flatten_state, unflatten_state
 
 __all__ = ["ClientStateFile", "atomic_torch_save", "default_state_dir"]
 

@@ -8,7 +8,7 @@
         "evaluator": Evaluator.state_dict()        the last evaluation's per-client metric states and its round
         "run":       FitState.state_dict()         data spec, round, loss, model class, privacy record
         "record":    the run record the resume checks compare (algorithm, datamodule class, server optimizer,
-                     trainer settings; lightning_fedmeta.checkpointing.RUN_RECORD_KEYS)
+                     trainer settings; lightning_fedmeta.frontends.resume_settings.RUN_RECORD_KEYS)
     }
 
 Every release up to 0.3 wrote one flat namespace (``{"seen": ..., "metric_state": ..., "algorithm": ...}``);

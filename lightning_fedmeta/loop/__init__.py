@@ -1,6 +1,6 @@
 """The round engine: the federated round written once, Trainer-free (docs/design.md, "The round engine")."""
 
-from lightning_fedmeta.loop.client_state import RunningStatistics, StoreLocation
+from lightning_fedmeta.loop.client_storage import RunningStatistics, StoreLocation
 from lightning_fedmeta.loop.compile_policy import CompilePolicy
 from lightning_fedmeta.loop.engine import RoundEngine
 from lightning_fedmeta.loop.federation import Federation

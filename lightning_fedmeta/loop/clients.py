@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.functional import Batch, ClientContext, Params
-from lightning_fedmeta.sampling import stable_seed
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.sampling import stable_seed
 
 __all__ = ["client_step", "loop_seeds", "partition_offsets", "run_client_updates"]
 

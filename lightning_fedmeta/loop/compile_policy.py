@@ -2,8 +2,8 @@
 
 ``True`` compiles training and evaluation from the first round; ``False`` never compiles; ``"auto"`` times the
 second eager round of a fit and compiles the training steps when the rounds left would spend at least
-:data:`~lightning_fedmeta.compiled.AUTO_COMPILE_SECONDS` in eager client computation
-(:func:`~lightning_fedmeta.compiled.worth_compiling`); evaluation stays eager. The decision is checkpointed so
+:data:`~lightning_fedmeta.client.compiled.AUTO_COMPILE_SECONDS` in eager client computation
+(:func:`~lightning_fedmeta.client.compiled.worth_compiling`); evaluation stays eager. The decision is checkpointed so
 a resumed run rounds as before, and under several processes rank 0's decision is broadcast.
 """
 
@@ -17,13 +17,13 @@ from lightning.pytorch.utilities import rank_zero_info
 if TYPE_CHECKING:
     import torch
 
-from lightning_fedmeta.compiled import PrimitiveCompiler, describe_decision, worth_compiling
+from lightning_fedmeta.client.compiled import PrimitiveCompiler, describe_decision, worth_compiling
 
 __all__ = ["CompilePolicy"]
 
 
 class CompilePolicy:
-    """Owns the :class:`~lightning_fedmeta.compiled.PrimitiveCompiler` and switches it per phase."""
+    """Owns the :class:`~lightning_fedmeta.client.compiled.PrimitiveCompiler` and switches it per phase."""
 
     def __init__(self, mode: bool | Literal["auto"], graphs: bool | Literal["auto"] = "auto") -> None:
         if mode not in (True, False, "auto"):
@@ -40,7 +40,7 @@ class CompilePolicy:
         self.eager_rounds_timed = 0
 
     def place(self, device: torch.device, batching: str) -> None:
-        """Switch graph capture for the device the clients run on (:mod:`lightning_fedmeta.graphs`)."""
+        """Switch graph capture for the device the clients run on (:mod:`lightning_fedmeta.client.graphs`)."""
         if self.graphs_mode is True and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device; this run's clients are on {device.type!r} "
                              "(use cuda_graphs='auto', which captures only on a GPU)")
@@ -53,7 +53,7 @@ class CompilePolicy:
     def observe(self, rounds_left: int | None, eager_seconds: float,
                 broadcast: Callable[[Any], Any] | None = None, programs: int = 1) -> None:
         """One eager round took ``eager_seconds`` and would need ``programs`` compiled programs (its bucket sizes,
-        :func:`~lightning_fedmeta.compiled.client_buckets`): after the fit's second round (the first carries
+        :func:`~lightning_fedmeta.client.compiled.client_buckets`): after the fit's second round (the first carries
         one-time costs), decide (rank 0 decides for all ranks through ``broadcast``)."""
         self.eager_rounds_timed += 1
         if self.eager_rounds_timed < 2:

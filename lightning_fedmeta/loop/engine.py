@@ -38,15 +38,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, BatchPlan, ClientOutput, ClientRecord, weighted_mean_metrics
-from lightning_fedmeta.attacks import flip_labels
-from lightning_fedmeta.communication import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
-from lightning_fedmeta.compiled import client_buckets
-from lightning_fedmeta.compression import CompressionSpec
+from lightning_fedmeta.client.compiled import client_buckets
+from lightning_fedmeta.client.execution import choose_batching, training_chunk_size
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.sampling import plan_steps
+from lightning_fedmeta.communication.accounting import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
+from lightning_fedmeta.communication.compressors import CompressionSpec
 from lightning_fedmeta.data.federated import FederatedData
-from lightning_fedmeta.dp_draws import DPDraws, SecretDraws
-from lightning_fedmeta.execution import choose_batching, training_chunk_size
-from lightning_fedmeta.functional import Batch, ClientContext, Params
-from lightning_fedmeta.loop.client_state import (
+from lightning_fedmeta.loop.client_storage import (
     AnyStore,
     RunningStatistics,
     StoreLocation,
@@ -55,9 +54,14 @@ from lightning_fedmeta.loop.client_state import (
 )
 from lightning_fedmeta.loop.clients import client_step, loop_seeds, run_client_updates
 from lightning_fedmeta.loop.compile_policy import CompilePolicy
-from lightning_fedmeta.loop.compress import CompressionStage
+from lightning_fedmeta.loop.compression_stage import CompressionStage
 from lightning_fedmeta.loop.federation import Federation
 from lightning_fedmeta.loop.gather import BatchGatherer, regroup
+from lightning_fedmeta.loop.published_statistics import (
+    publish_statistics,
+    published_statistics_rows,
+    published_statistics_size,
+)
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.round import RoundReport, RoundResult, check_outputs_finite, finite_clients
 from lightning_fedmeta.loop.schedule import ScheduleMode, StepCost, StepSchedule, measure_step_cost
@@ -69,21 +73,17 @@ from lightning_fedmeta.loop.server import (
     skip_server_step,
 )
 from lightning_fedmeta.loop.stages import ServerContext, Uploads
-from lightning_fedmeta.loop.statistics import (
-    publish_statistics,
-    published_statistics_rows,
-    published_statistics_size,
-)
 from lightning_fedmeta.loop.streaming import DeltaSum, streams
-from lightning_fedmeta.participation import mask_missing_steps
-from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.sampling import plan_steps
-from lightning_fedmeta.state import ClientStateStore, flatten_state, map_state, unflatten_state
-from lightning_fedmeta.validation import (
+from lightning_fedmeta.loop.validation import (
     validate_aggregate_output,
     validate_client_output,
     validate_init_server_state,
 )
+from lightning_fedmeta.persistence.memory_store import ClientStateStore, flatten_state, map_state, unflatten_state
+from lightning_fedmeta.privacy.draws import DPDraws, SecretDraws
+from lightning_fedmeta.reliability.attacks import flip_labels
+from lightning_fedmeta.reliability.options import Reliability
+from lightning_fedmeta.reliability.participation import mask_missing_steps
 
 __all__ = ["NonFinite", "RoundEngine"]
 
@@ -99,7 +99,7 @@ class RoundEngine:
         federation: who takes part (:class:`~lightning_fedmeta.loop.federation.Federation`).
         client_batching: ``"auto"``, ``"vmap"`` or ``"loop"``.
         client_chunk_size: clients per ``vmap`` call (``None``: all at once; ``"auto"``:
-            :func:`~lightning_fedmeta.execution.training_chunk_size`).
+            :func:`~lightning_fedmeta.client.execution.training_chunk_size`).
         compile_policy: when the client steps are compiled.
         store: where the client state rows live (``model.client_state``).
         step_schedule: how clients with different step counts run under ``local_epochs``
@@ -155,7 +155,7 @@ class RoundEngine:
                      fraction: float | None = None, holdout_clients: int | float = 0, aggregation: str = "samples",
                      **options: Any) -> RoundEngine:
         """The engine of the ``model.*`` options as ``FederatedModule`` reads them (``clients_per_round`` already
-        resolved by :func:`~lightning_fedmeta.options.check_options`, which gives its default): the federation
+        resolved by :func:`~lightning_fedmeta.frontends.options.check_options`, which gives its default): the federation
         (:class:`~lightning_fedmeta.loop.federation.Federation`) and the server pipeline of ``reliability``;
         ``options`` are the constructor's execution options (batching, compile policy, store, schedule)."""
         federation = Federation(seed, clients_per_round, fraction, holdout_clients, aggregation, reliability)
@@ -208,7 +208,8 @@ class RoundEngine:
 
     @property
     def training_chunk(self) -> int | None:
-        """Clients per vmap call of a training round (:func:`~lightning_fedmeta.execution.training_chunk_size`)."""
+        """Clients per vmap call of a training round
+        (:func:`~lightning_fedmeta.client.execution.training_chunk_size`)."""
         assert self.model is not None
         return training_chunk_size(self.model, self.device, self.client_chunk_size)
 
@@ -384,7 +385,8 @@ class RoundEngine:
 
     def _programs_needed(self, groups: list[Tensor]) -> int:
         """How many compiled programs per primitive this round's batched calls would use: the distinct bucket sizes
-        (:func:`~lightning_fedmeta.compiled.client_buckets`) of its vmap calls (the "auto" compile decision's cost;
+        (:func:`~lightning_fedmeta.client.compiled.client_buckets`) of its vmap calls (the "auto" compile decision's
+        cost;
         under ``"compacted"`` the calls shrink as clients finish: every size up to the chunk counts)."""
         chunk = self.training_chunk
         sizes: set[int] = set()
@@ -419,7 +421,8 @@ class RoundEngine:
 
     def round_steps(self, round_idx: int, clients: Tensor, plan: BatchPlan) -> Tensor:
         """``s_c``, the local steps each listed client takes this round: ``E·⌈n_c/B⌉`` under ``local_epochs``
-        (:func:`~lightning_fedmeta.sampling.plan_steps`), else its budget (``local_steps_dist``) or the plan's."""
+        (:func:`~lightning_fedmeta.client.sampling.plan_steps`), else its budget (``local_steps_dist``) or the
+        plan's."""
         if plan.epochs is not None:
             counts = self.federation.counts[clients.cpu()]
             return plan_steps(counts, plan)

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientRecord
-from lightning_fedmeta.dp_draws import DPDraws, SeededDraws
-from lightning_fedmeta.participation import answering_clients, expected_answers, num_candidates
-from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.sampling import choose_holdout, sample_clients
+from lightning_fedmeta.client.sampling import choose_holdout, sample_clients
+from lightning_fedmeta.privacy.draws import DPDraws, SeededDraws
+from lightning_fedmeta.reliability.options import Reliability
+from lightning_fedmeta.reliability.participation import answering_clients, expected_answers, num_candidates
 
 __all__ = ["Federation"]
 

@@ -2,7 +2,7 @@
 
 For client ``c`` with training rows ``[o_c, o_{c+1})`` the batch indices of a call are
 ``draw_batch_indices(seed, tag, r, c, ...)``, a pure function of ``(seed, tag, round, client)``
-(:mod:`lightning_fedmeta.sampling`); the rows are copied into ``[C, steps, per_step, B, ...]`` tensors with a
+(:mod:`lightning_fedmeta.client.sampling`); the rows are copied into ``[C, steps, per_step, B, ...]`` tensors with a
 mask of the real samples. Test sets are padded to the widest client, masked, and cached while they fit in
 :data:`TEST_CACHE_BYTES`.
 """
@@ -17,9 +17,9 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from lightning_fedmeta.algorithms.base import ClientRecord
+from lightning_fedmeta.client.functional import Batch
+from lightning_fedmeta.client.sampling import draw_batch_indices, plan_steps
 from lightning_fedmeta.data.federated import FederatedData, _as_inputs, _as_targets
-from lightning_fedmeta.functional import Batch
-from lightning_fedmeta.sampling import draw_batch_indices, plan_steps
 
 __all__ = ["BatchGatherer", "TEST_CACHE_BYTES", "call_plan", "new_client_batches", "regroup", "rows"]
 

@@ -1,6 +1,7 @@
 """Grouping a round's clients by their number of local steps, so that batched clients pad few empty steps.
 
-Under ``local_epochs`` client ``c`` takes ``s_c = E·⌈n_c/B⌉`` steps (:func:`~lightning_fedmeta.sampling.epoch_steps`);
+Under ``local_epochs`` client ``c`` takes ``s_c = E·⌈n_c/B⌉`` steps
+(:func:`~lightning_fedmeta.client.sampling.epoch_steps`);
 clients that run together in one ``vmap`` call share one step axis, as long as the longest of them, and the others
 run empty (masked) steps to its end. On a Dirichlet(0.1) split the sizes differ by two orders of magnitude, so one
 call for the whole round would compute mostly padding; :func:`step_groups` cuts the round into groups of similar

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput
-from lightning_fedmeta.communication import RoundTraffic
+from lightning_fedmeta.communication.accounting import RoundTraffic
 from lightning_fedmeta.loop.server import sums_finite
 from lightning_fedmeta.loop.stages import PrivacyReport
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.persistence.memory_store import flatten_state
 
 __all__ = ["RoundReport", "RoundResult", "check_outputs_finite", "finite_clients"]
 

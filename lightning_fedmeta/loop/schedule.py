@@ -9,7 +9,8 @@ step axis as long as the longest of them; the others take empty (masked) steps t
 * ``"lockstep"``: every client in one group, finished clients masked: the fewest sequential steps
   (``max_c s_c``), every padded step computed;
 * ``"compacted"``: one group, and each step's primitive computes only the clients whose batch holds a sample
-  (:mod:`lightning_fedmeta.compiled`, ``PrimitiveCompiler.compact``): ``max_c s_c`` sequential steps and no padded
+  (:mod:`lightning_fedmeta.client.compiled`, ``PrimitiveCompiler.compact``): ``max_c s_c`` sequential steps and no
+  padded
   step of a primitive that knows its empty-batch result (``sgd_step``, ``loss_and_grad``, ``grad``, ``loss``, the
   proximal step); other work runs padded as in ``"lockstep"``;
 * ``"auto"``: the partition that minimises the round's time under a cost model the engine measures on the model
@@ -112,7 +113,8 @@ def time_calls(call: Callable[[], Any], repeats: int = 3, sync: Callable[[], Non
 def measure_step_cost(ctx: Any, params: dict[str, Tensor], batch: Any, most: int, repeats: int = 3) -> StepCost | None:
     """``a`` and ``b`` of a batched step on this model and device: the fastest of ``repeats`` eager
     ``vmap(ctx.loss_and_grad)`` calls on ``batch`` (one client's, repeated) for 1, about half and ``most`` clients,
-    fitted by :func:`fit_step_cost_points`. ``ctx`` is a :class:`~lightning_fedmeta.functional.ClientContext` without
+    fitted by :func:`fit_step_cost_points`. ``ctx`` is a :class:`~lightning_fedmeta.client.functional.ClientContext`
+    without
     a compiler (the eager step is what is timed)."""
     device = next(iter(params.values())).device
     sync = torch.cuda.synchronize if device.type == "cuda" else None

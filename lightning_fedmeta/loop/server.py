@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_fedmeta.algorithms.base import ClientOutput
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.client.functional import Params
 from lightning_fedmeta.loop.stages import (
     AddDPNoise,
     AlgorithmAggregate,
@@ -32,7 +32,7 @@ from lightning_fedmeta.loop.stages import (
     ServerUpdate,
     Uploads,
 )
-from lightning_fedmeta.reliability import Reliability
+from lightning_fedmeta.reliability.options import Reliability
 
 __all__ = [
     "ServerPipeline", "apply_server_step", "check_update_finite", "noise_only_uploads", "skip_server_step",

@@ -6,7 +6,7 @@ An algorithm whose ``aggregate`` is the default rule of :class:`~lightning_fedme
 
 needs the clients' updates only through that sum. Stacking them first costs ``|S|`` copies of the model: for 1000
 ResNet-18 clients (11.2 M parameters) 45 GB, which is what kept that cohort off an 80 GB GPU (issue 29,
-benchmarks/results/gpu.md). Under :func:`streams` the engine instead hands :func:`~lightning_fedmeta.execution.
+benchmarks/results/gpu.md). Under :func:`streams` the engine instead hands :func:`~lightning_fedmeta.client.execution.
 run_clients` a :class:`DeltaSum`, which adds each chunk's ``Σ_{i∈chunk} w_i Δ_i`` to a running total as soon as
 the chunk is computed and keeps the chunk's other outputs (state, extras, metrics: small); the round's
 ``RoundResult`` then carries the total as a single row (``delta_summed``), and the server stage aggregates it with
@@ -29,8 +29,8 @@ from typing import Any
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput
-from lightning_fedmeta.functional import Params, tree_weighted_sum
-from lightning_fedmeta.loop.compress import CompressionStage
+from lightning_fedmeta.client.functional import Params, tree_weighted_sum
+from lightning_fedmeta.loop.compression_stage import CompressionStage
 from lightning_fedmeta.loop.ranks import RankSplit
 from lightning_fedmeta.loop.server import ServerPipeline
 from lightning_fedmeta.loop.stages import AlgorithmAggregate

@@ -7,7 +7,7 @@ import torch
 
 from lightning_fedmeta.algorithms.apfl import APFL
 from lightning_fedmeta.algorithms.fedavg import FedAvg
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.testing import client_record
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data, tiny_module

@@ -16,8 +16,8 @@ from lightning_fedmeta import (
     from_client_tensors,
 )
 from lightning_fedmeta.algorithms.base import Algorithm
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.functional import Params
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.functional import Params
 from tests.conftest import run_plain_rounds
 from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_linear
 

@@ -20,9 +20,9 @@ from lightning_fedmeta.algorithms.clustering import (
     stack_perturbed,
 )
 from lightning_fedmeta.algorithms.ifca import IFCA
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.data import FederatedData, FederatedDataModule, from_client_tensors
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from tests.helpers import make_trainer, one_client
 
 D, C, N = 8, 4, 60

@@ -18,7 +18,7 @@ from lightning_fedmeta import Algorithm, ClientOutput, create_algorithm
 from lightning_fedmeta.algorithms import FedMAML, PerFedAvg, PerFedMAML, Reptile
 from lightning_fedmeta.algorithms.base import COMMON_ARGS
 from lightning_fedmeta.cli import run
-from lightning_fedmeta.options import resolved_algorithm_spec
+from lightning_fedmeta.frontends.options import resolved_algorithm_spec
 
 
 class MetaLike(Algorithm):

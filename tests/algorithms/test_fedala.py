@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 from lightning_fedmeta.algorithms.fedala import FedALA
 from lightning_fedmeta.algorithms.fedavg import FedAvg
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.testing import client_record
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data, tiny_module

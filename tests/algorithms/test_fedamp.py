@@ -10,8 +10,8 @@ from torch import nn
 from lightning_fedmeta.algorithms.base import ClientRecord, client_records
 from lightning_fedmeta.algorithms.fedamp import FedAMP
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import map_state
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.persistence.memory_store import map_state
 from tests.helpers import tiny_data
 
 SIZES = [5, 8, 11, 14]

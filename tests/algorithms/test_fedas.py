@@ -13,7 +13,7 @@ from torch.func import functional_call
 
 from lightning_fedmeta.algorithms.base import ClientOutput, client_records
 from lightning_fedmeta.algorithms.fedas import FedAS
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.testing import check_algorithm, client_record
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data, tiny_module

@@ -9,8 +9,8 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedbn import FedBN, normalisation_parameters
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.models import SmallCNN
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.models.reference import SmallCNN
 from tests.conftest import run_plain_rounds
 from tests.helpers import one_client, tanh_mlp, tiny_data
 

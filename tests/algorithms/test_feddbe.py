@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.feddbe import FedDBE
-from lightning_fedmeta.sampling import sample_clients
+from lightning_fedmeta.client.sampling import sample_clients
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data
 

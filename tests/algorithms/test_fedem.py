@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_fedmeta.algorithms.base import ClientOutput, client_records
 from lightning_fedmeta.algorithms.fedem import FedEM
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from tests.conftest import run_plain_rounds
 from tests.helpers import one_client, tiny_data, tiny_module
 

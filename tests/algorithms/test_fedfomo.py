@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedfomo import FedFomo, first_order_combination
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.client.sampling import sample_clients
 from lightning_fedmeta.loop.gather import new_client_batches
-from lightning_fedmeta.sampling import sample_clients
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data
 

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedpac import FedPAC, combination_weights, simplex_qp
-from lightning_fedmeta.functional import Batch
+from lightning_fedmeta.client.functional import Batch
+from lightning_fedmeta.client.sampling import sample_clients
 from lightning_fedmeta.loop.gather import new_client_batches
-from lightning_fedmeta.sampling import sample_clients
 from lightning_fedmeta.testing import check_algorithm
 from tests.conftest import run_plain_rounds
 from tests.helpers import make_tiny_clients, tanh_mlp, tiny_data

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_fedmeta.algorithms.base import client_records
 from lightning_fedmeta.algorithms.fedavg import FedAvg
 from lightning_fedmeta.algorithms.fedrod import ABSENT_SHIFT, FedRoD, balanced_log_prior
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.testing import client_record
 from tests.conftest import run_plain_rounds
 from tests.helpers import tanh_mlp, tiny_data, tiny_module

@@ -8,8 +8,8 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.lg_fedavg import LGFedAvg
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import map_state
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.persistence.memory_store import map_state
 from tests.conftest import run_plain_rounds
 from tests.helpers import one_client, tiny_data
 

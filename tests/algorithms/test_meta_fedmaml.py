@@ -10,8 +10,8 @@ from torch.func import vmap
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.fedmaml import FedMAML, maml_meta_gradient, split_support_query
+from lightning_fedmeta.client.functional import Batch, ClientContext, tree_weighted_sum
 from lightning_fedmeta.data import from_client_tensors
-from lightning_fedmeta.functional import Batch, ClientContext, tree_weighted_sum
 from tests.helpers import SmallClients, flat_params, one_client, tanh_mlp, train_small
 
 

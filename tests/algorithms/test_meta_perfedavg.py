@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.fedavg import FedAvg
 from lightning_fedmeta.algorithms.perfedavg import PerFedAvg
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from tests.helpers import one_client, tanh_mlp, train_small
 
 

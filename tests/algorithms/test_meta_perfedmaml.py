@@ -13,9 +13,9 @@ from torch import Tensor
 from lightning_fedmeta import ClientRecord, FederatedModule
 from lightning_fedmeta.algorithms.fedmaml import maml_meta_gradient, split_support_query
 from lightning_fedmeta.algorithms.perfedmaml import PerFedMAML
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from tests.helpers import SmallClients, flat_params, make_trainer, one_client, tanh_mlp, train_small
 
 _ALGO = {"name": "perfedmaml", "alpha": 0.1, "beta": 0.2, "lam": 0.5, "local_steps": 2, "batch_size": 4}

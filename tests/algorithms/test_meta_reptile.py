@@ -7,8 +7,8 @@ import torch
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.reptile import Reptile
+from lightning_fedmeta.client.functional import Batch, ClientContext, tree_weighted_sum
 from lightning_fedmeta.data import from_client_tensors
-from lightning_fedmeta.functional import Batch, ClientContext, tree_weighted_sum
 from tests.helpers import SmallClients, flat_params, one_client, tanh_mlp, train_small
 
 

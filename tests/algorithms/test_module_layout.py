@@ -41,7 +41,7 @@ def test_batch_plan_is_one_class_under_every_public_name() -> None:
     from lightning_fedmeta import BatchPlan as top
     from lightning_fedmeta.algorithms import BatchPlan as package
     from lightning_fedmeta.algorithms.base import BatchPlan as base
-    from lightning_fedmeta.sampling import BatchPlan as low
+    from lightning_fedmeta.client.sampling import BatchPlan as low
 
     assert top is package is base is low
     assert low(steps=2) == base(steps=2, per_step=1, batch_size=32, epochs=None, drop_last=False)

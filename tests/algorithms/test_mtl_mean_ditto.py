@@ -13,9 +13,9 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.algorithms.ditto import Ditto
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.functional import Batch, ClientContext, tree_sq_norm, tree_sub
-from lightning_fedmeta.sampling import sample_clients
-from lightning_fedmeta.state import flatten_state, map_state
+from lightning_fedmeta.client.functional import Batch, ClientContext, tree_sq_norm, tree_sub
+from lightning_fedmeta.client.sampling import sample_clients
+from lightning_fedmeta.persistence.memory_store import flatten_state, map_state
 from tests.conftest import run_plain_rounds
 from tests.helpers import make_trainer, one_client, tiny_data, tiny_datamodule, tiny_module
 

@@ -23,8 +23,8 @@ from lightning_fedmeta.algorithms.mtl_graph import MTLGraph, adjacency_from_edge
 from lightning_fedmeta.algorithms.mtl_mean import MTLMean
 from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
 from lightning_fedmeta.algorithms.regularized import RegularizedMTL
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import flatten_state, map_state, unflatten_state
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.persistence.memory_store import flatten_state, map_state, unflatten_state
 from tests.helpers import fit, tiny_data, tiny_datamodule, tiny_module
 
 K = 6

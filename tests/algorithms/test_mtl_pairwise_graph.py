@@ -16,8 +16,8 @@ from lightning_fedmeta.algorithms.base import ClientRecord, client_records
 from lightning_fedmeta.algorithms.mtl_graph import MTLGraph, adjacency_from_edges, knn_adjacency, laplacian
 from lightning_fedmeta.algorithms.mtl_pairwise import MTLPairwise
 from lightning_fedmeta.algorithms.regularized import clipped_cosine_similarity, similarity_centre
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import flatten_state, map_state
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.persistence.memory_store import flatten_state, map_state
 from tests.conftest import run_plain_rounds
 from tests.helpers import tiny_data, tiny_module
 

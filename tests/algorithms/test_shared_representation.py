@@ -11,8 +11,8 @@ from torch.func import grad
 
 from lightning_fedmeta import ClientRecord, FederatedModule
 from lightning_fedmeta.algorithms.shared_representation import FedPer, FedRep, head_names
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.state import flatten_state, map_state
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.persistence.memory_store import flatten_state, map_state
 from tests.conftest import run_plain_rounds
 from tests.helpers import one_client, tiny_data, tiny_module
 

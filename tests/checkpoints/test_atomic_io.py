@@ -1,4 +1,5 @@
-"""lightning_fedmeta.atomic_io: a failed write leaves the old file and no temporary file; the folder is fsync-ed."""
+"""lightning_fedmeta.persistence.atomic_io: a failed write leaves the old file and no temporary file; the folder is
+fsync-ed."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_fedmeta import atomic_io
-from lightning_fedmeta.atomic_io import atomic_torch_save, atomic_write, atomic_write_bytes, partial_file, publish
+from lightning_fedmeta.persistence import atomic_io
+from lightning_fedmeta.persistence.atomic_io import (
+    atomic_torch_save,
+    atomic_write,
+    atomic_write_bytes,
+    partial_file,
+    publish,
+)
 
 
 class Unpicklable:

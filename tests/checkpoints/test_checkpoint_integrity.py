@@ -1,5 +1,6 @@
 """Damaged checkpoints are detected, and checkpoint writes are atomic (docs/reliability.md, "Crashes and
-checkpoints"; lightning_fedmeta/checkpointing.py)."""
+checkpoints"; lightning_fedmeta/persistence/checksums.py, lightning_fedmeta/persistence/checkpoint_files.py,
+lightning_fedmeta/persistence/safe_loading.py and lightning_fedmeta/frontends/resume_settings.py)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,19 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-import lightning_fedmeta.checkpointing as checkpointing
+import lightning_fedmeta.persistence.checkpoint_files as checkpoint_files
+import lightning_fedmeta.persistence.checksums as checksums
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.checkpointing import (
+from lightning_fedmeta.cli import FedMetaConfigError, run
+from lightning_fedmeta.persistence.checkpoint_files import AtomicCheckpointIO, atomic_save
+from lightning_fedmeta.persistence.checksums import (
     CHECKSUM_KEY,
-    AtomicCheckpointIO,
     CheckpointDamagedError,
     CheckpointWithoutChecksumWarning,
-    atomic_save,
     checkpoint_digests,
     seal_checkpoint,
     verify_checkpoint,
 )
-from lightning_fedmeta.cli import FedMetaConfigError, run
 from tests.helpers import REPO, make_trainer, momentum_module, tiny_datamodule
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -91,9 +92,9 @@ def test_digest_tells_apart_values_that_differ(a: Any, b: Any) -> None:
 def test_large_tensors_hash_in_chunks_the_same_with_or_without_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     big = torch.arange(3 * 2**20, dtype=torch.float64)  # 24 MiB: 3 chunks of 8 MiB
     threaded = checkpoint_digests({"k": big})
-    monkeypatch.setattr(checkpointing, "_PARALLEL_BYTES", 2**62)
+    monkeypatch.setattr(checksums, "_PARALLEL_BYTES", 2**62)
     assert checkpoint_digests({"k": big}) == threaded
-    monkeypatch.setattr(checkpointing, "_PARALLEL_BYTES", 1)
+    monkeypatch.setattr(checksums, "_PARALLEL_BYTES", 1)
     assert checkpoint_digests({"k": big}) == threaded
     changed = big.clone()
     changed[2 * 2**20 + 5] += 1  # in the third chunk
@@ -282,7 +283,7 @@ def test_a_save_interrupted_mid_write_leaves_the_previous_checkpoint(tmp_path: P
         written.append(len(buffer.getvalue()) // 2)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpointing, "_serialize", disk_full)
+    monkeypatch.setattr(checkpoint_files, "_serialize", disk_full)
     with pytest.raises(OSError, match="No space left"):
         trainer.save_checkpoint(path)
     assert written and written[0] > 1000
@@ -293,9 +294,10 @@ def test_a_save_interrupted_mid_write_leaves_the_previous_checkpoint(tmp_path: P
 
 KILLED_WRITER = textwrap.dedent("""
     import io, os, sys, time, torch
-    import lightning_fedmeta.checkpointing as checkpointing
+    import lightning_fedmeta.persistence.checkpoint_files as checkpoint_files
+    import lightning_fedmeta.persistence.checksums as checksums
     path, progress = sys.argv[1], sys.argv[2]
-    checkpointing.atomic_save(checkpointing.seal_checkpoint({"step": 0, "x": torch.zeros(2**20)}), path)
+    checkpoint_files.atomic_save(checksums.seal_checkpoint({"step": 0, "x": torch.zeros(2**20)}), path)
 
     def stalls_mid_write(obj, fh):  # writes half the new file, then waits to be killed
         data = io.BytesIO()
@@ -309,8 +311,8 @@ KILLED_WRITER = textwrap.dedent("""
         time.sleep(60)
         fh.write(data.getvalue()[len(data.getvalue()) // 2 :])
 
-    checkpointing._serialize = stalls_mid_write
-    checkpointing.atomic_save(checkpointing.seal_checkpoint({"step": 1, "x": torch.ones(2**20)}), path)
+    checkpoint_files._serialize = stalls_mid_write
+    checkpoint_files.atomic_save(checksums.seal_checkpoint({"step": 1, "x": torch.ones(2**20)}), path)
 """)
 
 

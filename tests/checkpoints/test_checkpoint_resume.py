@@ -13,9 +13,9 @@ from torch import nn
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, started_from
 from lightning_fedmeta.algorithms.local_steps import local_sgd
-from lightning_fedmeta.checkpointing import seal_checkpoint
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_sub, tree_weighted_sum
+from lightning_fedmeta.persistence.checksums import seal_checkpoint
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from lightning_fedmeta.testing import check_algorithm
 from tests.helpers import make_trainer, momentum_module, tiny_data, tiny_datamodule
 

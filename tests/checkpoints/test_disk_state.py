@@ -1,4 +1,5 @@
-"""The disk-backed client state store (lightning_fedmeta/disk_state.py, docs/scale.md): the same values as the
+"""The disk-backed client state store (lightning_fedmeta/persistence/disk_store.py, docs/scale.md): the same values as
+the
 in-memory store bit for bit, resident memory independent of K, lazy initialisation, checkpoints that reference
 immutable checksummed segments (bit-exact resume from the last and from an earlier checkpoint) and clear errors."""
 
@@ -13,13 +14,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fedmeta import FederatedModule, disk_state
+from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import ClientRecord
 from lightning_fedmeta.algorithms.fedavg import FedAvg
-from lightning_fedmeta.checkpointing import CheckpointDamagedError
-from lightning_fedmeta.disk_state import DiskClientStateStore, read_segment
-from lightning_fedmeta.functional import Params
-from lightning_fedmeta.state import ClientStateStore, flatten_state
+from lightning_fedmeta.client.functional import Params
+from lightning_fedmeta.persistence import disk_store as disk_state
+from lightning_fedmeta.persistence.checksums import CheckpointDamagedError
+from lightning_fedmeta.persistence.disk_store import DiskClientStateStore, read_segment
+from lightning_fedmeta.persistence.memory_store import ClientStateStore, flatten_state
 from tests.conftest import run_plain_rounds
 from tests.helpers import make_trainer, tiny_data, tiny_datamodule
 

@@ -14,7 +14,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_fedmeta.callbacks import PlotCallback
+from lightning_fedmeta.frontends.callbacks import PlotCallback
 from tests.helpers import make_trainer, tiny_datamodule, tiny_module
 
 FEDAVG = {"name": "fedavg", "local_lr": 0.3, "local_steps": 2, "batch_size": 4}

@@ -1,6 +1,8 @@
 """Resuming (or loading) a checkpoint with other settings is refused before training, naming every setting that
 differs; the execution-only settings on the allow-list may change and are reported (docs/reliability.md,
-"Crashes and checkpoints"; lightning_fedmeta/checkpointing.py)."""
+"Crashes and checkpoints"; lightning_fedmeta/persistence/checksums.py,
+lightning_fedmeta/persistence/checkpoint_files.py, lightning_fedmeta/persistence/safe_loading.py and
+lightning_fedmeta/frontends/resume_settings.py)."""
 
 from __future__ import annotations
 
@@ -16,19 +18,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.checkpointing import (
-    CHANGEABLE_DATA_SETTINGS,
-    CHANGEABLE_MODEL_SETTINGS,
-    CHECKSUM_KEY,
-    RUN_RECORD_KEYS,
-    CheckpointSettingsError,
-    CheckpointWithoutChecksumWarning,
-    fedmeta_run_record,
-    seal_checkpoint,
-)
 from lightning_fedmeta.cli import FedMetaConfigError, run
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.frontends.resume_settings import (
+    CHANGEABLE_DATA_SETTINGS,
+    CHANGEABLE_MODEL_SETTINGS,
+    RUN_RECORD_KEYS,
+    fedmeta_run_record,
+)
+from lightning_fedmeta.persistence.checksums import CHECKSUM_KEY, CheckpointWithoutChecksumWarning, seal_checkpoint
+from lightning_fedmeta.persistence.memory_store import flatten_state
+from lightning_fedmeta.persistence.safe_loading import CheckpointSettingsError
 from tests.helpers import make_trainer, tiny_data, tiny_datamodule
 
 FEDAVG = {"name": "fedavg", "local_lr": 0.2, "local_steps": 2, "batch_size": 4}

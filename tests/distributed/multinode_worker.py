@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.helpers
 
 from lightning_fedmeta import FederatedModule  # noqa: E402
-from lightning_fedmeta.state import flatten_state  # noqa: E402
+from lightning_fedmeta.persistence.memory_store import flatten_state  # noqa: E402
 from tests.helpers import make_trainer, tiny_datamodule  # noqa: E402
 
 __all__ = ["ROUNDS", "run"]

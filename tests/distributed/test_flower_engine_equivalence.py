@@ -23,10 +23,10 @@ import torch
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install lightning-fedmeta[flower])")
 
+from lightning_fedmeta.client.sampling import sample_clients  # noqa: E402
 from lightning_fedmeta.flower import ClientStateFile, load_config  # noqa: E402
 from lightning_fedmeta.flower.client import STATISTICS, _federation, data_spec_of  # noqa: E402
 from lightning_fedmeta.flower.server import DeploymentServer  # noqa: E402
-from lightning_fedmeta.sampling import sample_clients  # noqa: E402
 from tests.frontends.test_flower import (  # noqa: E402
     ALGORITHMS,
     NUM_CLIENTS,
@@ -39,7 +39,7 @@ from tests.frontends.test_flower import (  # noqa: E402
 )
 from tests.helpers import make_trainer  # noqa: E402
 
-BATCHNORM_MLP = ("          model:\n            class_path: lightning_fedmeta.models.MLP\n"
+BATCHNORM_MLP = ("          model:\n            class_path: lightning_fedmeta.models.reference.MLP\n"
                  "            init_args: {in_features: 60, hidden: [6], num_classes: 10, norm: batch}")
 DP = "  aggregation: uniform\n          dp: {clip: 0.05, noise_multiplier: 0.2, secure_mode: false}"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.callbacks import HISTORY_FILE, read_history
+from lightning_fedmeta.frontends.callbacks import HISTORY_FILE, read_history
 from tests.distributed.ddp_worker import run_tiny
 from tests.helpers import REPO, make_trainer, tiny_datamodule
 

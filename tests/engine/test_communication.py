@@ -15,7 +15,7 @@ from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import ClientOutput
 from lightning_fedmeta.algorithms.perfedmaml import PerFedMAML
 from lightning_fedmeta.algorithms.scaffold import Scaffold
-from lightning_fedmeta.communication import PlainCodec, RoundTraffic, payload_bytes
+from lightning_fedmeta.communication.accounting import PlainCodec, RoundTraffic, payload_bytes
 from lightning_fedmeta.data.federated import from_client_tensors
 from lightning_fedmeta.registry import create_algorithm, list_algorithms
 from lightning_fedmeta.testing import CHECKS, check_algorithm, tiny_clients, tiny_mlp

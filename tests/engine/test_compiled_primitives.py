@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import vmap
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.compiled import (
+from lightning_fedmeta.client.compiled import (
     AUTO_COMPILE_SECONDS,
     COMPILE_SAVING,
     PROGRAM_COMPILE_SECONDS,
@@ -24,7 +24,7 @@ from lightning_fedmeta.compiled import (
     describe_decision,
     worth_compiling,
 )
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from tests.conftest import run_plain_rounds
 from tests.helpers import fit, tiny_data, tiny_datamodule, tiny_module
 

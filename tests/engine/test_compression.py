@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.compression import (
+from lightning_fedmeta.communication.compressors import (
     QSGD,
     HalfPrecision,
     RandomK,
@@ -22,8 +22,8 @@ from lightning_fedmeta.compression import (
     parse_compression,
     sparse_bytes,
 )
-from lightning_fedmeta.loop.compress import run_rows
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.loop.compression_stage import run_rows
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from tests.helpers import make_trainer, tiny_datamodule
 
 COMPRESSORS = [HalfPrecision(torch.float16), HalfPrecision(torch.bfloat16), QSGD(8), QSGD(4, bucket_size=16),

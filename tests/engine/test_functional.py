@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from lightning_fedmeta.functional import Batch, ClientContext, tree_axpy
+from lightning_fedmeta.client.functional import Batch, ClientContext, tree_axpy
 
 
 def _squared_loss(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_masked_rows_do_not_change_loss_or_gradient() -> None:
 
 def test_weighted_sum_in_blocks_equals_the_whole_product(monkeypatch) -> None:
     """Above the block threshold the sum runs over blocks of clients (no whole ``w·a`` temporary)."""
-    import lightning_fedmeta.functional as functional
+    import lightning_fedmeta.client.functional as functional
 
     g = torch.Generator().manual_seed(0)
     stacked, weights = torch.randn(7, 3, 5, generator=g, dtype=torch.float64), torch.rand(7, generator=g)

@@ -12,12 +12,12 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import BatchPlan
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.functional import Batch
+from lightning_fedmeta.client.sampling import draw_batch_indices, epoch_steps
 from lightning_fedmeta.data.federated import from_client_tensors
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.functional import Batch
 from lightning_fedmeta.loop.grouping import GROUP_RATIO, padding_waste, step_groups
 from lightning_fedmeta.registry import list_algorithms, load_algorithm
-from lightning_fedmeta.sampling import draw_batch_indices, epoch_steps
 from tests.helpers import NUM_CLASSES, NUM_FEATURES, make_tiny_clients
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lightning_fedmeta.algorithms.base import BatchPlan
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.functional import Batch
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.functional import Batch
+from lightning_fedmeta.client.sampling import epoch_steps
 from lightning_fedmeta.registry import load_algorithm
-from lightning_fedmeta.sampling import epoch_steps
 from tests.engine.test_local_epochs import SCHEDULE_RUNS, SIZES, _assert_trees_close, _module
 
 pytest.importorskip("fedmeta_pfedme")

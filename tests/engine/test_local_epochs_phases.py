@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lightning_fedmeta.algorithms.base import BatchPlan
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.functional import Batch
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.functional import Batch
+from lightning_fedmeta.client.sampling import draw_batch_indices, epoch_steps, phase_lengths
 from lightning_fedmeta.registry import load_algorithm
-from lightning_fedmeta.sampling import draw_batch_indices, epoch_steps, phase_lengths
 from tests.engine.test_local_epochs import SCHEDULE_RUNS, SIZES, _assert_trees_close, _module
 
 PHASES = BatchPlan(steps=0, per_step=1, batch_size=3, epochs=(2, 1))

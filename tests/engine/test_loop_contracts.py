@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from lightning_fedmeta import BatchPlan, FederatedModule
-from lightning_fedmeta.metrics import ClientMetrics
-from lightning_fedmeta.sampling import draw_batch_indices, sample_clients
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.client.sampling import draw_batch_indices, sample_clients
+from lightning_fedmeta.evaluation.metrics import ClientMetrics
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_linear
 
 ALGORITHMS = {

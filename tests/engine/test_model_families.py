@@ -2,7 +2,8 @@
 
 CharLSTM and TinyTransformer write their recurrence / attention out so ``torch.func.vmap`` can batch them;
 PyTorch's ``nn.LSTM``/``nn.GRU``/``nn.RNN`` cannot run under vmap outside ``torch.func.grad`` (the evaluation
-forward), so :func:`choose_batching` runs them looped (findings: the docstring of ``lightning_fedmeta.models``).
+forward), so :func:`choose_batching` runs them looped (findings: the docstring of
+``lightning_fedmeta.models.reference``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from lightning_fedmeta.execution import choose_batching, run_clients
-from lightning_fedmeta.functional import Batch, ClientContext, Params
-from lightning_fedmeta.models import MLP, CharLSTM, LogisticRegression, SmallCNN, TinyTransformer, default_model
+from lightning_fedmeta.client.execution import choose_batching, run_clients
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.models.reference import (
+    MLP,
+    CharLSTM,
+    LogisticRegression,
+    SmallCNN,
+    TinyTransformer,
+    default_model,
+)
 
 VOCAB, T, HIDDEN = 12, 10, 16
 CLIENTS, STEPS, BATCH = 3, 2, 5
@@ -303,7 +311,7 @@ def test_default_model_rejects_unknown_task() -> None:
 
 def test_mlp_elu_is_nn_elu_eagerly_and_to_float32_rounding_when_compiled() -> None:
     """models.ELU compiles to α(exp(x) − 1) for x ≤ 0 (inductor's expm1 is slow): the same function."""
-    from lightning_fedmeta.models import ELU
+    from lightning_fedmeta.models.reference import ELU
 
     x = torch.cat([torch.linspace(-20, 5, 10_001), torch.tensor([-1e-6, -1e-30, 0.0, 1e-30, 100.0])])
     for alpha in (1.0, 0.5):

@@ -14,15 +14,15 @@ import torch
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.participation import (
+from lightning_fedmeta.client.sampling import generator_for, sample_clients
+from lightning_fedmeta.persistence.memory_store import flatten_state
+from lightning_fedmeta.reliability.participation import (
     StepBudget,
     answering_clients,
     mask_missing_steps,
     num_candidates,
     parse_local_steps_dist,
 )
-from lightning_fedmeta.sampling import generator_for, sample_clients
-from lightning_fedmeta.state import flatten_state
 from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_module
 
 

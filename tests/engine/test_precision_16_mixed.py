@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.precision import drop_loss_scaler
+from lightning_fedmeta.frontends.precision import drop_loss_scaler
 
 
 @pytest.mark.parametrize("algorithm", [{"name": "ditto", "lam": 0.1},

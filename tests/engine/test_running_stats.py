@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, jvp, vjp
 
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.functional import Batch, ClientContext, Params, tree_axpy
-from lightning_fedmeta.running_stats import FunctionalBatchNorm1d, client_buffers, prepare_model
+from lightning_fedmeta.client.batchnorm_stats import FunctionalBatchNorm1d, client_buffers, prepare_model
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, tree_axpy
 
 
 def _mlp_bn1d(momentum: float | None) -> tuple[nn.Module, tuple[int, ...]]:

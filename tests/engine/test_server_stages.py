@@ -21,9 +21,9 @@ from lightning_fedmeta.loop.stages import (
     ServerContext,
     Uploads,
 )
-from lightning_fedmeta.privacy import clip_rows, parse_dp
-from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.robust import parse_aggregator
+from lightning_fedmeta.privacy.mechanism import clip_rows, parse_dp
+from lightning_fedmeta.reliability.options import Reliability
+from lightning_fedmeta.reliability.robust import parse_aggregator
 
 DELTAS = torch.tensor([[3.0, 4.0], [0.3, 0.4], [-1.0, 0.0]])  # norms 5, 0.5, 1
 WEIGHTS = torch.tensor([0.5, 0.3, 0.2])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fedmeta.execution import run_clients
-from lightning_fedmeta.state import ClientStateStore, flatten_state, unflatten_state
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.persistence.memory_store import ClientStateStore, flatten_state, unflatten_state
 
 
 def _nested(k: int = 4) -> dict:

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from lightning_fedmeta.compiled import PrimitiveCompiler, client_buckets
-from lightning_fedmeta.functional import Batch, ClientContext
+from lightning_fedmeta.client.compiled import PrimitiveCompiler, client_buckets
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.client.sampling import epoch_steps
 from lightning_fedmeta.loop.grouping import step_groups
 from lightning_fedmeta.loop.schedule import (
     StepCost,
@@ -23,7 +24,6 @@ from lightning_fedmeta.loop.schedule import (
     group_seconds,
     sequential_steps,
 )
-from lightning_fedmeta.sampling import epoch_steps
 from tests.engine.test_local_epochs import SIZES, _assert_trees_close, _module
 
 
@@ -198,10 +198,10 @@ def test_every_schedule_counts_the_real_steps_in_the_round_result(schedule: str)
 
 
 # ----------------------------------------------------------------------------------------------
-# captured steps (lightning_fedmeta/graphs.py): the static-buffer logic, on the CPU with the recording backend
+# captured steps (lightning_fedmeta/client/graphs.py): the static-buffer logic, on the CPU with the recording backend
 # ----------------------------------------------------------------------------------------------
 def test_captured_primitives_replay_the_uncaptured_numbers_once_captured_per_shape() -> None:
-    from lightning_fedmeta.graphs import RecordedGraphs
+    from lightning_fedmeta.client.graphs import RecordedGraphs
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -258,7 +258,7 @@ def test_cuda_graphs_true_refuses_a_run_off_the_gpu() -> None:
 
 def test_a_round_with_captured_steps_equals_the_eager_round() -> None:
     """Lockstep FedAvg with every primitive replayed from a (recorded) graph: the model equals the eager one."""
-    from lightning_fedmeta.graphs import RecordedGraphs
+    from lightning_fedmeta.client.graphs import RecordedGraphs
 
     eager, _ = _round("lockstep")
     m = _module({"name": "fedavg", "local_epochs": 2, "batch_size": 4, "local_lr": 0.1}, sizes=SIZES,

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.client.execution import run_clients
 from lightning_fedmeta.data.federated import from_client_tensors
-from lightning_fedmeta.execution import run_clients
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from lightning_fedmeta.registry import load_algorithm
-from lightning_fedmeta.state import flatten_state
 from tests.helpers import NUM_CLASSES, NUM_FEATURES, make_tiny_clients
 
 #: unequal clients (3 to 40 training rows); two are held out, 5 of the other 10 take part in each round

@@ -1,4 +1,4 @@
-"""The field's CNNs (lightning_fedmeta.vision_models): their published shapes, torchvision's layer names, and
+"""The field's CNNs (lightning_fedmeta.models.vision): their published shapes, torchvision's layer names, and
 loop = vmap for two SGD steps of unequal clients (the models run batched)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torchvision
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.client.execution import CPU_CONV_CHUNK, choose_batching, run_clients, training_chunk_size
+from lightning_fedmeta.client.functional import Batch, ClientContext
 from lightning_fedmeta.data.federated import FederatedData
-from lightning_fedmeta.execution import CPU_CONV_CHUNK, choose_batching, run_clients, training_chunk_size
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.models import FEMNISTCNN, FedAvgCNN, LeNet5, ResNet18
+from lightning_fedmeta.models.reference import FEMNISTCNN, FedAvgCNN, LeNet5, ResNet18
 
 CLIENTS, STEPS, BATCH = 3, 2, 4
 TOL = {"atol": 2e-5, "rtol": 2e-5}

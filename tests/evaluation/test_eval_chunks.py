@@ -43,8 +43,8 @@ def test_chunked_scores_equal_one_chunk_in_the_listed_order() -> None:
 def test_scores_in_slabs_of_rows_equal_the_whole_test_set() -> None:
     """score_client with ``rows=4`` (slabs of 4 test rows, sums added in order) against the whole test set at once:
     the same totals exactly, the loss and metric sums to rounding, the same outputs."""
+    from lightning_fedmeta.client.functional import Batch
     from lightning_fedmeta.evaluation.scoring import score_client
-    from lightning_fedmeta.functional import Batch
 
     ev = _evaluator(chunk=100)
     engine = ev.engine

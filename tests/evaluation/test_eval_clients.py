@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lightning_fedmeta import FederatedModule
+from lightning_fedmeta.client.execution import run_clients
+from lightning_fedmeta.client.sampling import generator_for
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.execution import run_clients
 from lightning_fedmeta.loop import RankSplit
-from lightning_fedmeta.sampling import generator_for
 from tests.conftest import run_plain_rounds
 from tests.helpers import TinyDataset, make_trainer, tiny_data
 

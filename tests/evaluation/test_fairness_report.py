@@ -13,11 +13,11 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.callbacks import HISTORY_FILE, PlotCallback, read_history
-from lightning_fedmeta.compare import compare_main, summarize_run
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.evaluation import format_summary
 from lightning_fedmeta.evaluation.fairness import best_round, spread, spread_summary
+from lightning_fedmeta.frontends.callbacks import HISTORY_FILE, PlotCallback, read_history
+from lightning_fedmeta.frontends.compare import compare_main, summarize_run
 from tests.helpers import make_trainer
 
 # five clients' accuracies: sorted 0.2, 0.4, 0.5, 0.8, 1.0; mean 0.58

@@ -19,9 +19,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.callbacks import HISTORY_FILE, PlotCallback, read_history
 from lightning_fedmeta.cli import run
 from lightning_fedmeta.data import datamodule as dm_module
+from lightning_fedmeta.frontends.callbacks import HISTORY_FILE, PlotCallback, read_history
 from tests.helpers import REPO, make_trainer, tiny_datamodule, tiny_module
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

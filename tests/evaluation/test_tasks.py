@@ -17,10 +17,10 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from torchmetrics.regression import MeanSquaredError
 
 from lightning_fedmeta import FederatedModule, from_client_tensors
+from lightning_fedmeta.client.functional import Batch, ClientContext
+from lightning_fedmeta.client.losses import LOSSES, resolve_loss
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.functional import Batch, ClientContext
-from lightning_fedmeta.losses import LOSSES, resolve_loss
-from lightning_fedmeta.metrics import ClientMetrics, summarize
+from lightning_fedmeta.evaluation.metrics import ClientMetrics, summarize
 from tests.conftest import run_plain_rounds
 from tests.helpers import REPO, make_trainer
 
@@ -427,8 +427,8 @@ TASK_CONFIGS = {
 
 @pytest.mark.parametrize("task", sorted(TASK_CONFIGS))
 def test_each_task_config_runs_from_the_cli_and_logs_its_metrics(task: str, tmp_path: Path) -> None:
-    from lightning_fedmeta.callbacks import read_history
     from lightning_fedmeta.cli import run
+    from lightning_fedmeta.frontends.callbacks import read_history
 
     root = REPO
     cli = run(["fit", "--config", str(root / "configs" / "tasks" / f"{task}.yaml"), "--trainer.max_steps", "2",

@@ -85,8 +85,9 @@ def test_every_public_object_has_an_entry():
     headings = {h.strip("`") for page in API_DIR.glob("*.md") for h in _headings(page.read_text(encoding="utf-8"))}
     wanted = [n for n in lightning_fedmeta.__all__ if not n.startswith("_")] + list(lightning_fedmeta.testing.__all__)
     wanted += ["FederatedDataModule", "list_algorithms", "load_algorithm", "create_algorithm", "describe_algorithms",
-               "lightning_fedmeta.privacy", "lightning_fedmeta.robust", "lightning_fedmeta.participation",
-               "lightning_fedmeta.attacks", "FederatedModule.personalize"]
+               "lightning_fedmeta.privacy.mechanism", "lightning_fedmeta.reliability.robust",
+                   "lightning_fedmeta.reliability.participation",
+               "lightning_fedmeta.reliability.attacks", "FederatedModule.personalize"]
     missing = [n for n in wanted if n not in headings]
     assert not missing, f"no entry in docs/api for {missing}: add an <!-- api: ... --> block and run {REGENERATE}"
 
@@ -139,7 +140,7 @@ def _options(text: str) -> set[str]:
 
 def test_cli_usage_blocks_list_the_real_options():
     from lightning_fedmeta.cli import run
-    from lightning_fedmeta.compare import _parser
+    from lightning_fedmeta.frontends.compare import _parser
 
     real_fit = io.StringIO()
     with contextlib.redirect_stdout(real_fit), pytest.raises(SystemExit):

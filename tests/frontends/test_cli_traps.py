@@ -15,8 +15,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-from lightning_fedmeta.callbacks import RoundProgressBar
 from lightning_fedmeta.cli import FedMetaConfigError, main, quiet_console, run
+from lightning_fedmeta.frontends.callbacks import RoundProgressBar
 from tests.helpers import REPO
 
 SMALL = """

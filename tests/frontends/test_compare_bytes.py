@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.callbacks import HISTORY_FILE, PlotCallback, read_history
-from lightning_fedmeta.compare import UPLOAD_AXIS, CompareError, compare_main
 from lightning_fedmeta.data import FederatedDataModule
+from lightning_fedmeta.frontends.callbacks import HISTORY_FILE, PlotCallback, read_history
+from lightning_fedmeta.frontends.compare import UPLOAD_AXIS, CompareError, compare_main
 from tests.helpers import make_trainer
 
 M, ROUNDS = 3, 4  # clients per round, rounds

@@ -40,7 +40,7 @@ DOCUMENTS = ["README.md", "docs/index.md", "docs/plugins.md", "docs/testing.md",
 # CNN (the slowest example, over a minute on 2 busy cores): its Trainers stop at 5 steps, which still reaches its
 # eval_every = 5 evaluation (the summary it prints) and runs its "before" Lightning fit over 5 of its 20 batches.
 # The other pages' examples are small enough to run as written.
-PRELUDE = {"README.md": "from lightning_fedmeta.models import MLP\nmy_net = MLP(784, [80, 60], 10)\n"}
+PRELUDE = {"README.md": "from lightning_fedmeta.models.reference import MLP\nmy_net = MLP(784, [80, 60], 10)\n"}
 MAX_ROUNDS = {"README.md": 3, "docs/lightning_project.md": 5}
 
 MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<options>.*?)-->\s*$")

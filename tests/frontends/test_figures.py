@@ -16,9 +16,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.callbacks import HISTORY_FILE, PlotCallback, read_history
-from lightning_fedmeta.compare import CompareError, compare_main
 from lightning_fedmeta.data import FederatedDataModule
+from lightning_fedmeta.frontends.callbacks import HISTORY_FILE, PlotCallback, read_history
+from lightning_fedmeta.frontends.compare import CompareError, compare_main
 from tests.helpers import make_trainer
 
 
@@ -178,7 +178,7 @@ def test_compare_refuses_what_it_cannot_answer_honestly(tmp_path: Path) -> None:
 
 
 def test_a_run_figure_names_the_algorithm_and_fits_its_values(tmp_path: Path) -> None:
-    from lightning_fedmeta.plots import metric_vs_round_figure  # here: its absence fails this test alone
+    from lightning_fedmeta.frontends.plots import metric_vs_round_figure  # here: its absence fails this test alone
 
     history = [{"round": r, "stage": "val", "metrics": {"val/acc_weighted": w, "val/acc_worst10": w - 0.05}}
                for r, w in ((2, 0.83), (4, 0.86), (6, 0.88))]

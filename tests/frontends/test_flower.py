@@ -21,12 +21,12 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install li
 from flwr.app import Context, Error, Message, Metadata, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from lightning_fedmeta.client.sampling import sample_clients  # noqa: E402
 from lightning_fedmeta.flower import ClientStateFile, load_config, write_app  # noqa: E402
 from lightning_fedmeta.flower.client import LocalClient, data_spec_of, load_partition, partition_of  # noqa: E402
 from lightning_fedmeta.flower.client_app import app as client_app  # noqa: E402
 from lightning_fedmeta.flower.server import DeploymentServer  # noqa: E402
-from lightning_fedmeta.participation import answering_clients  # noqa: E402
-from lightning_fedmeta.sampling import sample_clients  # noqa: E402
+from lightning_fedmeta.reliability.participation import answering_clients  # noqa: E402
 from tests.helpers import make_trainer  # noqa: E402
 
 NUM_CLIENTS = 5
@@ -53,7 +53,7 @@ def write_config(tmp: Path, algorithm: str, server_lr: float = 0.7, extra: str =
           server_lr: {server_lr}
           seed: 11
           model:
-            class_path: lightning_fedmeta.models.MLP
+            class_path: lightning_fedmeta.models.reference.MLP
             init_args: {{in_features: 60, hidden: [6], num_classes: 10}}
         {extra}
         data: {{dataset: synthetic, num_clients: {NUM_CLIENTS}, eval_every: 100, synthetic_alpha: 0.5,
@@ -180,11 +180,11 @@ def test_deployment_equals_in_process(name: str, tmp_path: Path) -> None:
     col = list(reference.metric.builtin).index("acc")
     assert evaluated["acc_weighted"] == pytest.approx(float(scores["builtin"][:, col].sum()) / total, abs=1e-6)
     if name == "scaffold":  # server state (c) and client state (c_i)
-        from lightning_fedmeta.state import flatten_state
+        from lightning_fedmeta.persistence.memory_store import flatten_state
 
         assert max_diff(flatten_state(server.server_state), flatten_state(reference.server_state)) < 1e-5
     if name in ("ditto", "scaffold"):
-        from lightning_fedmeta.state import flatten_state
+        from lightning_fedmeta.persistence.memory_store import flatten_state
 
         for pid in server.seen.nonzero().flatten().tolist():
             ref_row = {k: v[pid] for k, v in flatten_state(reference.client_states.tensors).items()}

@@ -16,7 +16,7 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install li
 
 from flwr.app import ArrayRecord, Message, RecordDict  # noqa: E402
 
-from lightning_fedmeta.compression import QSGD, TopK, parse_compression  # noqa: E402
+from lightning_fedmeta.communication.compressors import QSGD, TopK, parse_compression  # noqa: E402
 from lightning_fedmeta.flower.compressed import client_upload, payload_bytes_of, wire_bytes  # noqa: E402
 from lightning_fedmeta.flower.replies import RejectedReply, ReplySpec, check_train_reply  # noqa: E402
 from tests.frontends.test_flower import (  # noqa: E402

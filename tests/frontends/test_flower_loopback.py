@@ -36,7 +36,7 @@ if not (BIN / "flower-superlink").exists() or not (BIN / "flower-supernode").exi
 
 from lightning_fedmeta.flower import ClientStateFile, load_config, write_app  # noqa: E402
 from lightning_fedmeta.flower.client import data_spec_of  # noqa: E402
-from lightning_fedmeta.state import flatten_state  # noqa: E402
+from lightning_fedmeta.persistence.memory_store import flatten_state  # noqa: E402
 from tests.helpers import make_trainer  # noqa: E402
 
 # pytest-timeout: 900 s, above the deployment's own DEADLINE_S (so its message reports a stuck deployment first)
@@ -80,7 +80,7 @@ def write_yaml(path: Path, algorithm: str) -> Path:
           server_lr: 0.8
           seed: 11
           model:
-            class_path: lightning_fedmeta.models.MLP
+            class_path: lightning_fedmeta.models.reference.MLP
             init_args: {{in_features: 60, hidden: [6], num_classes: 10}}
         data: {{dataset: synthetic, num_clients: 2, eval_every: 100}}
         """))

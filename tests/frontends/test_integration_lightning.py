@@ -24,8 +24,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
 from lightning_fedmeta import FederatedData, FederatedDataset, FederatedModule, from_client_tensors
-from lightning_fedmeta.callbacks import PlotCallback, RoundProgressBar
 from lightning_fedmeta.data import FederatedDataModule
+from lightning_fedmeta.frontends.callbacks import PlotCallback, RoundProgressBar
 from tests.helpers import make_trainer
 
 NUM_CLASSES = 4

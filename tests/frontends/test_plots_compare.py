@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.callbacks import HISTORY_FILE, PlotCallback, RoundProgressBar, read_history
 from lightning_fedmeta.cli import FedMetaConfigError, main, run
-from lightning_fedmeta.compare import (
+from lightning_fedmeta.data import FederatedDataModule
+from lightning_fedmeta.frontends.callbacks import HISTORY_FILE, PlotCallback, RoundProgressBar, read_history
+from lightning_fedmeta.frontends.compare import (
     CompareError,
     available_metrics,
     compare_main,
@@ -22,8 +23,7 @@ from lightning_fedmeta.compare import (
     markdown_table,
     summarize_run,
 )
-from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.plots import (
+from lightning_fedmeta.frontends.plots import (
     metric_file_names,
     metric_series,
     plot_accuracy_vs_round,

@@ -11,8 +11,8 @@ import torch
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
 from lightning_fedmeta.algorithms.fedavg import FedAvg
 from lightning_fedmeta.algorithms.fedrod import FedRoD
+from lightning_fedmeta.client.functional import tree_scale
 from lightning_fedmeta.flower.client import population_view
-from lightning_fedmeta.functional import tree_scale
 from lightning_fedmeta.testing import CHECKS, check_algorithm
 
 ONLY_VIEW = [c for c in CHECKS if c != "check_population_view"]

@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fedmeta.checkpointing import canonical_settings
 from lightning_fedmeta.data import DATASET_NAMES, PARTITION_NAMES, FederatedDataModule
 from lightning_fedmeta.data.plugins import LabeledPool
+from lightning_fedmeta.frontends.resume_settings import canonical_settings
 from lightning_fedmeta.registry import AGGREGATORS, DATASETS, DISABLE_PLUGINS_ENV, PARTITIONERS
-from lightning_fedmeta.robust import AGGREGATORS as BUILTIN_RULES
-from lightning_fedmeta.robust import aggregate_rows, parse_aggregator
+from lightning_fedmeta.reliability.robust import AGGREGATORS as BUILTIN_RULES
+from lightning_fedmeta.reliability.robust import aggregate_rows, parse_aggregator
 from lightning_fedmeta.testing import check_aggregator, check_dataset, check_partitioner
 
 _counter = itertools.count()
 
 RULE = '''
 import torch
-from lightning_fedmeta.robust import RobustRule
+from lightning_fedmeta.reliability.robust import RobustRule
 
 
 class Shrunk(RobustRule):
@@ -240,7 +240,7 @@ def test_flower_config_takes_a_plugin_rules_options_as_written(site: Path, tmp_p
 def test_compare_settings_reads_plugin_option_mappings_in_canonical_form() -> None:
     """What the CLI's and the module's resume checks call: equal meanings pass, a changed option is reported as
     written."""
-    from lightning_fedmeta.checkpointing import compare_settings
+    from lightning_fedmeta.frontends.resume_settings import compare_settings
 
     saved = {"aggregator": {"name": "trimmed_mean", "beta": 0.1}}
     assert compare_settings("model", saved, {"aggregator": "trimmed_mean"}, {}) == []

@@ -251,7 +251,7 @@ def import_violations(source: str, filename: str = "<plugin>") -> list[str]:
 
 def test_import_checker_flags_private_paths_and_names() -> None:
     source = (
-        "from lightning_fedmeta.functional import tree_sub\n"
+        "from lightning_fedmeta.client.functional import tree_sub\n"
         "from lightning_fedmeta import Algorithm, weighted_mean_metrics\n"
         "import lightning_fedmeta as lf\nlf.registry\nlf.Batch\n"
         "import numpy\n"

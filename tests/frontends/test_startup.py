@@ -28,7 +28,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_fedmeta.callbacks import RoundProgressBar
 from lightning_fedmeta.cli import FedMetaCLI, _requested_subcommand, run
 from lightning_fedmeta.data import (
     DEFAULT_FASHION_MNIST_ROOT,
@@ -47,6 +46,7 @@ from lightning_fedmeta.data import (
 )
 from lightning_fedmeta.data.idx import _gunzip, read_idx_array, read_idx_arrays
 from lightning_fedmeta.data.partition import _indices_by_class
+from lightning_fedmeta.frontends.callbacks import RoundProgressBar
 from tests.helpers import REPO
 
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")

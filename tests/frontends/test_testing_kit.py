@@ -3,7 +3,7 @@
 Each deliberately broken algorithm below has one bug a plugin author could write; the kit must
 fail on it with a message that names the algorithm, the check and the key or problem. The same
 bugs met by a plain ``Trainer.fit`` must fail on the first round with a message naming the
-algorithm, the function, the key, the expected and the actual value (lightning_fedmeta.validation),
+algorithm, the function, the key, the expected and the actual value (lightning_fedmeta.loop.validation),
 not with a raw PyTorch error deep inside the round.
 """
 
@@ -18,8 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fedmeta import Algorithm, Batch, ClientContext, ClientOutput, ClientRecord, FederatedModule, Params
+from lightning_fedmeta.client.execution import BatchingError, run_clients
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.execution import BatchingError, run_clients
+from lightning_fedmeta.loop.validation import (
+    AlgorithmContractError,
+    validate_aggregate_output,
+    validate_client_output,
+    validate_init_client_states,
+)
 from lightning_fedmeta.testing import (
     CHECKS,
     check_algorithm,
@@ -32,12 +38,6 @@ from lightning_fedmeta.testing import (
     quadratic_client,
     tiny_clients,
     tiny_mlp,
-)
-from lightning_fedmeta.validation import (
-    AlgorithmContractError,
-    validate_aggregate_output,
-    validate_client_output,
-    validate_init_client_states,
 )
 from tests.helpers import fit
 
@@ -399,7 +399,7 @@ def test_what_an_algorithm_returns_is_checked_at_the_boundary(hooks: dict, messa
 
 
 def test_the_boundary_checks_run_once_then_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_fedmeta.loop.client_state as client_state_py
+    import lightning_fedmeta.loop.client_storage as client_state_py
     import lightning_fedmeta.loop.engine as engine_py
 
     calls: dict[str, int] = {}

@@ -1,11 +1,12 @@
-"""Simulated Byzantine attacks (lightning_fedmeta/attacks.py) against their formulas."""
+"""Simulated Byzantine attacks (lightning_fedmeta/reliability/attacks.py) against their formulas."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_fedmeta.attacks import (
+from lightning_fedmeta.client.sampling import generator_for
+from lightning_fedmeta.reliability.attacks import (
     ATTACKS,
     ByzantineSpec,
     alie_z,
@@ -14,7 +15,6 @@ from lightning_fedmeta.attacks import (
     flip_labels,
     parse_byzantine,
 )
-from lightning_fedmeta.sampling import generator_for
 
 BYZ = torch.tensor([False, True, False, False, True, False])
 

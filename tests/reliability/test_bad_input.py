@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
 from lightning_fedmeta import FederatedModule, create_algorithm
+from lightning_fedmeta.client.sampling import sample_clients
 from lightning_fedmeta.data import FederatedDataModule
-from lightning_fedmeta.sampling import sample_clients
 from tests.helpers import TinyDataset, make_tiny_clients, make_trainer, tiny_data, tiny_datamodule, tiny_linear
 
 

@@ -31,13 +31,13 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.algorithms.base import COMMON_ARGS
-from lightning_fedmeta.attacks import ATTACKS
-from lightning_fedmeta.compression import COMPRESSORS, DOWNLOADS
+from lightning_fedmeta.client.losses import LOSSES
+from lightning_fedmeta.communication.compressors import COMPRESSORS, DOWNLOADS
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.data.datamodule import DATASET_NAMES, PARTITION_NAMES, SYNTHETIC_DATASETS, TEST_SPLITS
-from lightning_fedmeta.losses import LOSSES
 from lightning_fedmeta.registry import list_algorithms, load_algorithm
-from lightning_fedmeta.robust import AGGREGATORS
+from lightning_fedmeta.reliability.attacks import ATTACKS
+from lightning_fedmeta.reliability.robust import AGGREGATORS
 from tests.helpers import tiny_data, tiny_linear
 
 K = 6  # clients of the tiny federation (tests.helpers.tiny_data)

@@ -1,4 +1,4 @@
-"""The pure pieces of client-level DP (lightning_fedmeta.privacy): clipping, noise, adaptive clip, accounting.
+"""The pure pieces of client-level DP (lightning_fedmeta.privacy.mechanism): clipping, noise, adaptive clip, accounting.
 
 ε is checked against Opacus called directly (its RDPAccountant and its analysis functions) and, for q = 1,
 against the closed form of the Gaussian mechanism's RDP; the other functions against hand computations.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_fedmeta import privacy
-from lightning_fedmeta.privacy import (
+from lightning_fedmeta.privacy import mechanism as privacy
+from lightning_fedmeta.privacy.mechanism import (
     AdaptiveClipSpec,
     DPSpec,
     PrivacyAccountant,

@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.privacy import DPSpec, adapt_clip, clip_rows, gaussian_noise, noise_multipliers
-from lightning_fedmeta.sampling import generator_for
+from lightning_fedmeta.client.sampling import generator_for
+from lightning_fedmeta.privacy.mechanism import DPSpec, adapt_clip, clip_rows, gaussian_noise, noise_multipliers
 from tests.helpers import make_trainer, tiny_data, tiny_datamodule, tiny_module
 
 opacus_accountants = pytest.importorskip("opacus.accountants")
@@ -108,7 +108,7 @@ def test_the_aggregate_is_the_clipped_mean_plus_noise_and_the_clip_adapts() -> N
 
 
 def _adaptive_of(dp: dict[str, Any]) -> Any:
-    from lightning_fedmeta.privacy import parse_dp
+    from lightning_fedmeta.privacy.mechanism import parse_dp
 
     spec = parse_dp(dp)
     assert spec is not None

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from lightning_fedmeta.registry import create_algorithm, list_algorithms
-from lightning_fedmeta.reliability import Reliability
+from lightning_fedmeta.reliability.options import Reliability
 from tests.helpers import REPO
 
 DOC = REPO / "docs" / "reliability.md"

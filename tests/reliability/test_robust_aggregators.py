@@ -1,4 +1,4 @@
-"""Robust aggregation rules (lightning_fedmeta/robust.py) against hand computations and closed forms."""
+"""Robust aggregation rules (lightning_fedmeta/reliability/robust.py) against hand computations and closed forms."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_fedmeta.functional import weighted_sum
-from lightning_fedmeta.robust import (
+from lightning_fedmeta.client.functional import weighted_sum
+from lightning_fedmeta.reliability.robust import (
     AGGREGATORS,
     AggregatorSpec,
     aggregate_rows,

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.attacks import choose_byzantine_clients
 from lightning_fedmeta.data import FederatedDataModule
+from lightning_fedmeta.reliability.attacks import choose_byzantine_clients
 from tests.helpers import make_trainer
 
 ROUNDS = 40

@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.checkpointing import seal_checkpoint
 from lightning_fedmeta.cli import FedMetaConfigError, main, run
-from lightning_fedmeta.compare import compare_main
 from lightning_fedmeta.data.datasets import read_cifar_batch
+from lightning_fedmeta.frontends.compare import compare_main
+from lightning_fedmeta.persistence.checksums import seal_checkpoint
 from tests.helpers import make_trainer, tiny_datamodule, tiny_module
 
 FEDAVG = {"name": "fedavg", "local_lr": 0.2, "local_steps": 2, "batch_size": 4}

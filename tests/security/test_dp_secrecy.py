@@ -18,12 +18,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.dp_draws import KEY_BYTES, SecretDraws, SeededDraws, secret_normal, secret_uniform
+from lightning_fedmeta.client.sampling import sample_clients
 from lightning_fedmeta.loop.federation import Federation
-from lightning_fedmeta.privacy import DPSpec, PrivacyAccountant, clip_rows, noise_multipliers, parse_dp
-from lightning_fedmeta.privacy_budget import SEEDED_NOISE_NOTE
-from lightning_fedmeta.reliability import Reliability
-from lightning_fedmeta.sampling import sample_clients
+from lightning_fedmeta.privacy.budget import SEEDED_NOISE_NOTE
+from lightning_fedmeta.privacy.draws import KEY_BYTES, SecretDraws, SeededDraws, secret_normal, secret_uniform
+from lightning_fedmeta.privacy.mechanism import DPSpec, PrivacyAccountant, clip_rows, noise_multipliers, parse_dp
+from lightning_fedmeta.reliability.options import Reliability
 from tests.helpers import fit, make_trainer, tiny_data, tiny_datamodule, tiny_module
 
 pytest.importorskip("opacus.accountants")

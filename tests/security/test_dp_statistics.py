@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data.federated import from_client_tensors
-from lightning_fedmeta.privacy import AdaptiveClipSpec, DPSpec, adapt_clip
+from lightning_fedmeta.privacy.mechanism import AdaptiveClipSpec, DPSpec, adapt_clip
 from tests.helpers import make_tiny_clients, tiny_data
 
 FEDAVG = {"name": "fedavg", "local_lr": 0.1, "local_steps": 2, "batch_size": 4}

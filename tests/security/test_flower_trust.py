@@ -25,7 +25,7 @@ from lightning_fedmeta.flower import ClientStateFile, load_config  # noqa: E402
 from lightning_fedmeta.flower import client as client_module  # noqa: E402
 from lightning_fedmeta.flower.records import record_to_tree, tree_to_record  # noqa: E402
 from lightning_fedmeta.flower.server import DeploymentServer  # noqa: E402
-from lightning_fedmeta.state import flatten_state, unflatten_state  # noqa: E402
+from lightning_fedmeta.persistence.memory_store import flatten_state, unflatten_state  # noqa: E402
 from tests.frontends.test_flower import (  # noqa: E402
     ALGORITHMS,
     NUM_CLIENTS,

@@ -24,12 +24,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fedmeta import FederatedModule, disk_state
-from lightning_fedmeta.checkpointing import CHECKSUM_KEY, CheckpointDamagedError, seal_checkpoint
+from lightning_fedmeta import FederatedModule
 from lightning_fedmeta.data.datasets import _load_pixels, read_cifar_batch
 from lightning_fedmeta.data.idx import read_idx_array
 from lightning_fedmeta.data.leaf import LeafDataset
-from lightning_fedmeta.disk_state import DiskClientStateStore, read_segment
+from lightning_fedmeta.persistence import disk_store as disk_state
+from lightning_fedmeta.persistence.checksums import CHECKSUM_KEY, CheckpointDamagedError, seal_checkpoint
+from lightning_fedmeta.persistence.disk_store import DiskClientStateStore, read_segment
 from tests.helpers import make_trainer, tiny_datamodule
 
 
@@ -280,7 +281,7 @@ def test_compare_refuses_a_config_yaml_whose_aliases_expand_without_bound(
 
 
 def test_compare_still_reads_a_config_yaml_with_an_alias(tmp_path: Path) -> None:
-    from lightning_fedmeta.compare import read_run_config
+    from lightning_fedmeta.frontends.compare import read_run_config
 
     run = _history(tmp_path / "run")
     (run / "config.yaml").write_text("model:\n  seed: 3\n  sizes: &s [1, 2]\ndata:\n  sizes: *s\n")
@@ -386,7 +387,7 @@ def test_a_store_never_deletes_the_working_files_of_a_run_in_another_pid_namespa
 
 _CRASH = """
 import os, sys, torch
-from lightning_fedmeta.disk_state import DiskClientStateStore
+from lightning_fedmeta.persistence.disk_store import DiskClientStateStore
 store = DiskClientStateStore.lazy(sys.argv[1], 4, {"c": torch.zeros(3)})
 store.scatter(torch.tensor([1]), {"c": torch.ones(1, 3)})
 open(os.path.join(store.segment_directory, f".seg-{store.owner}-{os.getpid()}-0badc0de.partial"), "wb").close()
@@ -422,7 +423,7 @@ def test_a_checkpoint_save_in_another_pid_namespace_is_never_removed(tmp_path) -
     import fcntl
     import os
 
-    from lightning_fedmeta.checkpointing import atomic_save, remove_stale_partials
+    from lightning_fedmeta.persistence.checkpoint_files import atomic_save, remove_stale_partials
 
     foreign_pid = 999_999_999  # no such process in this namespace
     live = tmp_path / f".last.ckpt.{foreign_pid}.0a1b2c3d.partial"
@@ -442,7 +443,7 @@ def test_a_checkpoint_save_in_another_pid_namespace_is_never_removed(tmp_path) -
 def test_an_atomic_write_holds_its_lock_until_the_rename(tmp_path) -> None:  # noqa: ANN001
     import fcntl
 
-    from lightning_fedmeta.atomic_io import atomic_write, writer_gone
+    from lightning_fedmeta.persistence.atomic_io import atomic_write, writer_gone
 
     seen = {}
 

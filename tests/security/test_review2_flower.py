@@ -20,7 +20,7 @@ pytest.importorskip("flwr", reason="flwr is not installed (pip install lightning
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
-from lightning_fedmeta.compression import parse_compression  # noqa: E402
+from lightning_fedmeta.communication.compressors import parse_compression  # noqa: E402
 from lightning_fedmeta.flower import load_config  # noqa: E402
 from lightning_fedmeta.flower.compressed import encode_upload  # noqa: E402
 from lightning_fedmeta.flower.records import tree_to_record  # noqa: E402
@@ -281,7 +281,7 @@ def test_train_metrics_beyond_float32_are_refused() -> None:
 # item 5: ε on Flower is the module's
 # ----------------------------------------------------------------------------------------------
 def _epsilon(phases: list[tuple[float, float, int]]) -> float:
-    from lightning_fedmeta.privacy import PrivacyAccountant
+    from lightning_fedmeta.privacy.mechanism import PrivacyAccountant
 
     accountant = PrivacyAccountant(phases[0][0], phases[0][1])
     accountant.history = list(phases)

@@ -21,12 +21,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fedmeta import FederatedModule
-from lightning_fedmeta.checkpointing import CheckpointDamagedError
 from lightning_fedmeta.data.federated import from_client_tensors
 from lightning_fedmeta.data.leaf import LeafDataset
 from lightning_fedmeta.data.lightning_adapter import LightningDataPartition
-from lightning_fedmeta.disk_state import DiskClientStateStore
-from lightning_fedmeta.state import flatten_state
+from lightning_fedmeta.persistence.checksums import CheckpointDamagedError
+from lightning_fedmeta.persistence.disk_store import DiskClientStateStore
+from lightning_fedmeta.persistence.memory_store import flatten_state
 from tests.helpers import make_trainer, tiny_datamodule
 
 DITTO = {"name": "ditto", "lam": 0.1, "local_steps": 2, "local_lr": 0.1, "batch_size": 4, "finetune_steps": 1}

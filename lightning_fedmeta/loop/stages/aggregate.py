@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_fedmeta.functional import weighted_sum
+from lightning_fedmeta.client.functional import weighted_sum
 from lightning_fedmeta.loop.stages.base import ServerContext, ServerUpdate, Uploads, unflatten_row_tree
-from lightning_fedmeta.validation import validate_aggregate_output
+from lightning_fedmeta.loop.validation import validate_aggregate_output
 
 __all__ = ["AlgorithmAggregate"]
 

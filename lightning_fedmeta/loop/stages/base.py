@@ -4,7 +4,7 @@ A round's uploads enter as :class:`Uploads` (the stacked client outputs and thei
 returns new :class:`Uploads` (never edits its input) or ``None`` when the round cannot be aggregated (too few
 clients for a robust rule: the round then leaves the model unchanged). The aggregation stage fills ``update``
 (``Δ`` and the next server state); later stages transform it. Stages that need the deltas as one row per client
-read :meth:`Uploads.flat` (``[n, d]``, :func:`~lightning_fedmeta.robust.flatten_rows`).
+read :meth:`Uploads.flat` (``[n, d]``, :func:`~lightning_fedmeta.reliability.robust.flatten_rows`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord
-from lightning_fedmeta.dp_draws import DPDraws, SeededDraws
-from lightning_fedmeta.functional import Params
-from lightning_fedmeta.robust import flatten_rows
+from lightning_fedmeta.client.functional import Params
+from lightning_fedmeta.privacy.draws import DPDraws, SeededDraws
+from lightning_fedmeta.reliability.robust import flatten_rows
 
 __all__ = ["PrivacyReport", "ServerContext", "ServerStage", "ServerUpdate", "Uploads", "unflatten_row_tree"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_fedmeta.loop.stages.base import ServerContext, Uploads
-from lightning_fedmeta.privacy import clip_rows
+from lightning_fedmeta.privacy.mechanism import clip_rows
 
 __all__ = ["ClipUploads"]
 

@@ -3,7 +3,8 @@
     Δ ← Δ + (σ_Δ C / m) ξ,   ξ ~ N(0, I)                          (McMahan et al., ICLR 2018)
     b̄ = (Σ_i 1[‖Δ_i‖ ≤ C] + N(0, σ_b²)) / m,   C ← C·exp(−η_C (b̄ − γ))   adaptive (Andrew et al., NeurIPS 2021)
 
-``σ_Δ`` and ``σ_b`` split the noise multiplier ``z`` (:func:`~lightning_fedmeta.privacy.noise_multipliers`). The
+``σ_Δ`` and ``σ_b`` split the noise multiplier ``z`` (:func:`~lightning_fedmeta.privacy.mechanism.noise_multipliers`).
+The
 count is centred (``b_i − ½``) and divided by ``m̂``, the expected number of answering clients, so a client that
 did not answer leaves it unbiased (TensorFlow Privacy's ``QuantileEstimatorQuery``). BatchNorm statistics being
 published (:attr:`ServerUpdate.statistics`) get the same noise, drawn after the parameters'. Draws come from
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_fedmeta.loop.stages.base import PrivacyReport, ServerContext, ServerUpdate, Uploads
-from lightning_fedmeta.privacy import DPSpec, adapt_clip, noise_multipliers
+from lightning_fedmeta.privacy.mechanism import DPSpec, adapt_clip, noise_multipliers
 
 __all__ = ["AddDPNoise"]
 

@@ -1,7 +1,7 @@
 """Simulated model poisoning: the Byzantine clients' uploads replaced by an attack's (``model.byzantine``).
 
 ``Δ_i ← attack(Δ_i)`` for the round's Byzantine clients (sign flip, scaled, Gaussian, ALIE, IPM:
-:mod:`lightning_fedmeta.attacks`); honest rows are returned bit for bit. The attack's draws come from
+:mod:`lightning_fedmeta.reliability.attacks`); honest rows are returned bit for bit. The attack's draws come from
 ``generator_for(seed, "attack", round)``. Data poisoning (label flips) happens before the clients run, not here.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_fedmeta.attacks import ByzantineSpec, attack_rows
+from lightning_fedmeta.client.sampling import generator_for
 from lightning_fedmeta.loop.stages.base import ServerContext, Uploads
-from lightning_fedmeta.sampling import generator_for
+from lightning_fedmeta.reliability.attacks import ByzantineSpec, attack_rows
 
 __all__ = ["PoisonUploads"]
 

@@ -1,8 +1,8 @@
 """A robust rule in place of the weighted mean (``model.aggregator``): median, trimmed mean, Krum, Multi-Krum,
 Bulyan, geometric median, FedNova, the mean of norm-bounded updates (``clip``), or any rule a plugin registers
-in the ``lightning_fedmeta.aggregators`` entry-point group (:class:`~lightning_fedmeta.robust.RobustRule`).
+in the ``lightning_fedmeta.aggregators`` entry-point group (:class:`~lightning_fedmeta.reliability.robust.RobustRule`).
 
-``Δ = rule({Δ_i}, w, f)`` over the ``[n, d]`` rows (:func:`~lightning_fedmeta.robust.aggregate_rows`); the
+``Δ = rule({Δ_i}, w, f)`` over the ``[n, d]`` rows (:func:`~lightning_fedmeta.reliability.robust.aggregate_rows`); the
 server state is unchanged (robust rules apply to algorithms whose upload is a plain delta). A rule that needs
 ``n`` larger than this round's answering clients allow (Krum: ``n > 2f + 2``) skips the round. The clients'
 BatchNorm statistics (:attr:`Uploads.statistics`, centred on the model's) go through the same rule on their own
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_fedmeta.functional import weighted_sum
+from lightning_fedmeta.client.functional import weighted_sum
 from lightning_fedmeta.loop.stages.base import ServerContext, ServerUpdate, Uploads
-from lightning_fedmeta.robust import AggregatorSpec, aggregate_rows, check_aggregator, unflatten_row
+from lightning_fedmeta.reliability.robust import AggregatorSpec, aggregate_rows, check_aggregator, unflatten_row
 
 __all__ = ["RobustAggregate"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning_fedmeta.robust import aggregate_rows, parse_aggregator
+from lightning_fedmeta.reliability.robust import aggregate_rows, parse_aggregator
 from lightning_fedmeta.testing import check_aggregator
 
 from fedmeta_centered_clip import CenteredClipping

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
-from lightning_fedmeta.robust import RobustRule, coordinate_median
+from lightning_fedmeta.reliability.robust import RobustRule, coordinate_median
 from torch import Tensor
 
 __all__ = ["CenteredClipping"]

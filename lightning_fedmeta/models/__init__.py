@@ -1,0 +1,35 @@
+"""Reference models: small MLP/CNN baselines and the field's vision CNNs."""
+
+# the public names of the module this package replaced (models.py), so
+# `from lightning_fedmeta.models import X` keeps working
+from lightning_fedmeta.models.reference import (
+    ELU,
+    FEMNISTCNN,
+    MLP,
+    TASKS,
+    CharLSTM,
+    FedAvgCNN,
+    LeNet5,
+    LogisticRegression,
+    Reshape,
+    ResNet18,
+    SmallCNN,
+    TinyTransformer,
+    default_model,
+)
+
+__all__ = [
+    "FEMNISTCNN",
+    "FedAvgCNN",
+    "LeNet5",
+    "ResNet18",
+    "MLP",
+    "LogisticRegression",
+    "SmallCNN",
+    "CharLSTM",
+    "TinyTransformer",
+    "Reshape",
+    "ELU",
+    "default_model",
+    "TASKS",
+]
