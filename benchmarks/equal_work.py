@@ -103,9 +103,9 @@ DATASET = "fashion_mnist"
 #: datasets the comparison runs on (``--dataset``); MNIST needs its files (``--root DIR``)
 DATASETS = ("fashion_mnist", "mnist")
 TITLES = {"fashion_mnist": "Fashion-MNIST", "mnist": "MNIST"}
-MLP = {"class_path": "lightning_fedmeta.models.reference.MLP",
+MLP = {"class_path": "lightning_fedmeta.models.MLP",
        "init_args": {"in_features": 784, "hidden": [80, 60], "num_classes": 10, "activation": "elu"}}
-LINEAR = {"class_path": "lightning_fedmeta.models.reference.LogisticRegression",
+LINEAR = {"class_path": "lightning_fedmeta.models.LogisticRegression",
           "init_args": {"in_features": 784, "num_classes": 10}}
 LR_SWEEP = [0.01, 0.03, 0.1]
 #: the issue-27 rows' local-rate sweep: one step up from LR_SWEEP, whose winner was 0.1 (or its extension) for most
@@ -114,7 +114,7 @@ PFL_LR_SWEEP = [0.03, 0.1, 0.3]
 #: FedBN's network: the MLP has no normalisation layer (FedBN on it is FedAvg), so FedBN runs on the same MLP with a
 #: BatchNorm1d after each hidden layer (280 more parameters, the same cost), next to FedAvg + FT on that network as
 #: its control (``fedavg_ft_bn_w16``): FedBN's row compares with the control, not with the MLP rows
-MLP_BN = {"class_path": "lightning_fedmeta.models.reference.MLP",
+MLP_BN = {"class_path": "lightning_fedmeta.models.MLP",
           "init_args": {**MLP["init_args"], "norm": "batch"}}
 
 

@@ -161,7 +161,7 @@ def render_config(method: str, tau: int, alpha: float) -> str:
         f"  holdout_clients: {HOLDOUT}",
         "  seed: 0",
         "  model:",
-        "    class_path: lightning_fedmeta.models.reference.MLP",
+        "    class_path: lightning_fedmeta.models.MLP",
         "    init_args: {in_features: 784, hidden: [80, 60], num_classes: 10, activation: elu}",
         "data:",
         "  dataset: fashion_mnist",

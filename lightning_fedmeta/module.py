@@ -306,11 +306,16 @@ class FederatedModule(LightningModule):
         return -1
 
     # -- personalised evaluation -------------------------------------------------------------------
+    def _eval_sample_size(self) -> int | None:
+        """``data.eval_clients`` of the attached datamodule (``None``: every client at every evaluation)."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(datamodule, "eval_clients", None)
+
     def _evaluate(self, stage: str, log: bool = True) -> dict[str, dict[str, Tensor]]:
-        """One evaluation of the clients (``data.eval_clients`` of them when the datamodule samples)."""
+        """One evaluation of the clients (:meth:`_eval_sample_size` of them when the datamodule samples)."""
         self._on_device()
-        sample = getattr(getattr(self.trainer, "datamodule", None), "eval_clients", None) if self._trainer else None
-        summary, evaluated, sampled = self.evaluator.run(stage, self.trained_rounds(), sample, self._ranks())
+        summary, evaluated, sampled = self.evaluator.run(stage, self.trained_rounds(), self._eval_sample_size(),
+                                                         self._ranks())
         if log:
             log_summary(self.log, self._trainer, stage, summary, evaluated if sampled else None, self.primary_metric)
         return summary
