@@ -496,7 +496,7 @@ def _compare_trees(
 def _server_optimizer(module: FederatedModule) -> torch.optim.Optimizer:
     """The default server optimizer ``SGD(lr=server_lr)`` (stateless: a fresh one each round is the same)."""
     assert module.model is not None
-    return torch.optim.SGD(module.model.parameters(), lr=module.server_lr)
+    return torch.optim.SGD([p for p in module.model.parameters() if p.requires_grad], lr=module.server_lr)
 
 
 def _plain_round(module: FederatedModule, r: int) -> tuple[Tensor, ClientOutput, Params, dict[str, Tensor]]:

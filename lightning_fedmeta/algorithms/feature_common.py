@@ -67,7 +67,7 @@ def features_and_logits(ctx: ClientContext, params: Params, x: Tensor, head: Lin
     captured: list[Tensor] = []
     handle = module.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     try:
-        logits = functional_call(ctx.model, (params, ctx.buffers), (x,))
+        logits = functional_call(ctx.model, (params, ctx.constants(params, ctx.buffers)), (x,))
     finally:
         handle.remove()
     return captured[0], logits

@@ -23,6 +23,7 @@ from torch.func import functional_call, grad, grad_and_value, jvp, vjp
 
 from lightning_fedmeta.client import batchnorm_stats as running_stats
 from lightning_fedmeta.client.compiled import ZERO
+from lightning_fedmeta.client.trainable import frozen_parameters
 
 if TYPE_CHECKING:
     from lightning_fedmeta.client.compiled import PrimitiveCompiler
@@ -191,8 +192,14 @@ class ClientContext:
     mode uses ``buffers`` (the module's own by default). Models without prepared BatchNorm layers run
     exactly as plain ``functional_call``.
 
+    Frozen parameters (``requires_grad=False``, :mod:`lightning_fedmeta.client.trainable`) are held with the
+    buffers: read once here, they go to ``functional_call`` next to the buffers for every name ``params`` does not
+    give, so the trees a client step passes around hold the trainable parameters only and, under ``vmap``, the
+    frozen ones are captured unbatched (one copy for every client of the batch).
+
     Args:
-        model: the architecture; its own parameters are ignored (``params`` replace them).
+        model: the architecture; its trainable parameters are ignored (``params`` replace them), its frozen ones
+            (``requires_grad=False``) are used as they are unless ``params`` names them.
         buffers: the model's buffers (passed unchanged to ``functional_call``).
         per_sample_loss: ``(logits, y) -> [B]`` per-sample losses.
         compiler: compiles :meth:`predict`, :meth:`loss`, :meth:`grad`, :meth:`loss_and_grad`, :meth:`hvp` and
@@ -210,6 +217,8 @@ class ClientContext:
     ) -> None:
         self.model = model
         self.buffers = dict(buffers) if buffers is not None else dict(model.named_buffers())
+        #: the frozen parameters (requires_grad=False), shared by every client and never batched
+        self.frozen_params: Params = frozen_parameters(model)
         self.per_sample_loss = per_sample_loss
         self._own_loss = per_sample_loss  # the loss compiled and compacted calls may use (see _dispatch)
         #: prepared BatchNorm layers with their names (empty: the plain functional_call path)
@@ -223,6 +232,13 @@ class ClientContext:
         self._may_leak = False
         #: compiles the primitives batched over clients (``FederatedModule(compile_clients=...)``); None: eager
         self.compiler: PrimitiveCompiler | None = compiler
+
+    def constants(self, params: Params, buffers: Params) -> Params:
+        """What ``functional_call`` takes next to ``params``: ``buffers`` and the frozen parameters ``params`` does
+        not name (``buffers`` itself for a model without frozen parameters)."""
+        if not self.frozen_params:
+            return buffers
+        return {**{k: v for k, v in self.frozen_params.items() if k not in params}, **buffers}
 
     # -- per-client running statistics --------------------------------------------------------
     def for_client(self, buffers: Params) -> ClientContext:
@@ -257,7 +273,7 @@ class ClientContext:
         if count and self._counting and self._bound is not None:
             record = {}
         with running_stats.statistics_scope(mask, record):
-            out = functional_call(self.model, (params, buffers), (x,))
+            out = functional_call(self.model, (params, self.constants(params, buffers)), (x,))
         return out, ({} if record is None else running_stats.updates_by_name(self._layers, record))
 
     def _loss_and_stats(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
@@ -347,7 +363,7 @@ class ClientContext:
     def _predict(self, params: Params, x: Tensor) -> Tensor:
         if self._layers:
             return self._forward(params, x, None, count=False)[0]
-        return functional_call(self.model, (params, self.buffers), (x,))
+        return functional_call(self.model, (params, self.constants(params, self.buffers)), (x,))
 
     def loss(self, params: Params, batch: Batch) -> Tensor:
         """Masked mean loss ``f(w; D)``."""

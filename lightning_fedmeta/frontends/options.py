@@ -287,8 +287,9 @@ def bind_model(model: nn.Module | None, loss: Any, metrics: Mapping[str, MetricS
 
 def server_optimizer_config(model: nn.Module, server_lr: float, server_optimizer: Any, scheduler: Any) -> Any:
     """``configure_optimizers``' value: ``server_optimizer(params)`` or ``SGD(params, lr=server_lr)``, with the
-    scheduler stepped every round when one is given."""
-    params = list(model.parameters())
+    scheduler stepped every round when one is given. ``params`` are the trainable parameters (``requires_grad``):
+    frozen ones are never stepped and hold no optimizer state."""
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = server_optimizer(params) if server_optimizer else torch.optim.SGD(params, lr=server_lr)
     if scheduler is None:
         return optimizer

@@ -50,7 +50,8 @@ def personal_model(engine: RoundEngine, model: nn.Module, client: int | tuple[Te
     personal = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in personal.named_parameters():
-            p.copy_(w[name])
+            if name in w:  # frozen parameters (requires_grad=False) are the global model's, never personalised
+                p.copy_(w[name])
         own = dict(personal.named_buffers())
         for name, v in buffers.items():  # the client's running statistics
             own[name].copy_(v)

@@ -42,6 +42,7 @@ from lightning_fedmeta.client.compiled import client_buckets
 from lightning_fedmeta.client.execution import choose_batching, training_chunk_size
 from lightning_fedmeta.client.functional import Batch, ClientContext, Params
 from lightning_fedmeta.client.sampling import plan_steps
+from lightning_fedmeta.client.trainable import TrainableSet, trainable_parameters
 from lightning_fedmeta.communication.accounting import Codec, PlainCodec, RoundTraffic, TrafficCounter, round_traffic
 from lightning_fedmeta.communication.compressors import CompressionSpec
 from lightning_fedmeta.data.federated import FederatedData
@@ -125,6 +126,9 @@ class RoundEngine:
         self.device = torch.device("cpu")
         self.data: FederatedData | None = None
         self.model: nn.Module | None = None
+        #: the model's trainable parameters, fixed at bind time (frozen ones are never trained, sent or stored)
+        self.trainable: TrainableSet | None = None
+        self._bound_model: nn.Module | None = None
         self.batching = "loop"
         self.validated: set[str] = set()  # outputs validated on the first round with this data
         self._broadcast: Callable[[Any], Any] | None = None  # rank 0's value to every rank (set by run_round)
@@ -190,6 +194,8 @@ class RoundEngine:
         :attr:`holds_client_state` is off), the compression residuals and the initial server state (each kept
         when a loaded checkpoint already filled it)."""
         self.model = model
+        self.trainable = TrainableSet(model)
+        self._bound_model = model
         k = int(train_counts.numel())
         self.algorithm.check_epoch_plans()
         self.federation.bind(train_counts, self.algorithm, task)
@@ -244,6 +250,11 @@ class RoundEngine:
         """The global model the rounds train (set again by :meth:`bind`; a frontend that restores a default model
         from a checkpoint before any data is bound passes it here)."""
         self.model = model
+
+    @property
+    def bound_model(self) -> nn.Module | None:
+        """The model whose trainable set :attr:`trainable` holds (the last one bound)."""
+        return self._bound_model
 
     def use_ranks(self, ranks: RankSplit) -> None:
         """Which of a round's clients this process computes (:class:`~lightning_fedmeta.loop.ranks.RankSplit`)."""
@@ -306,8 +317,13 @@ class RoundEngine:
         self.ctx = self.make_context()
 
     def global_params(self) -> Params:
+        """The global model's trainable parameters ``θ`` (detached): what every algorithm trains, sends and stores.
+        Frozen parameters (``requires_grad=False``) are left out (:mod:`lightning_fedmeta.client.trainable`); once
+        the model is bound, a changed trainable set raises ``RuntimeError``."""
         assert self.model is not None
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        if self.trainable is None or self.model is not self.bound_model:
+            return trainable_parameters(self.model)
+        return self.trainable.params(self.model)
 
     def records(self, clients: Tensor, device: torch.device | None = None) -> ClientRecord:
         """The stacked :class:`ClientRecord` of the given clients (on the engine's device)."""

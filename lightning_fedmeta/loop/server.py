@@ -113,10 +113,14 @@ def check_update_finite(round_idx: int, delta: Params) -> None:
 
 
 def apply_server_step(optimizer: Any, model: nn.Module, delta: Params) -> None:
-    """The server step: ``p.grad = −Δ_p`` for every parameter, then one optimizer step (``optimizer`` is a
-    ``torch.optim`` optimizer or Lightning's wrapper of one)."""
+    """The server step: ``p.grad = −Δ_p`` for every trainable parameter, then one optimizer step (``optimizer`` is a
+    ``torch.optim`` optimizer or Lightning's wrapper of one). Frozen parameters (``requires_grad=False``) get no
+    gradient, so the optimizer leaves them untouched (no step, no weight decay, no state)."""
     optimizer.zero_grad()
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            p.grad = None
+            continue
         p.grad = (-delta[name]).to(p.dtype)
     optimizer.step()
 

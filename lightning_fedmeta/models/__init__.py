@@ -17,6 +17,7 @@ from lightning_fedmeta.models.reference import (
     TinyTransformer,
     default_model,
 )
+from lightning_fedmeta.models.lora import LoRALinear, LoRAModel, add_lora, lora_parameter_count
 
 __all__ = [
     "FEMNISTCNN",
@@ -32,4 +33,8 @@ __all__ = [
     "ELU",
     "default_model",
     "TASKS",
+    "LoRALinear",
+    "LoRAModel",
+    "add_lora",
+    "lora_parameter_count",
 ]
