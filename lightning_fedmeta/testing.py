@@ -1082,6 +1082,37 @@ def _check_exchange(setup: _Setup) -> None:
         _plain_round(module, 0)
         _check_download(check, module, module.engine.federation.round_clients(1), 1)
         _check_upload(check, module, 1)
+        _check_frozen_kept(check, module, module.engine.federation.round_clients(1), 1)
+
+
+def _frozen_paths(tree: Mapping[str, Any], frozen: set[str]) -> list[str]:
+    """The paths of ``tree`` (flattened, ``a/b/...``) one of whose parts is a frozen parameter's name."""
+    return sorted(k for k in flatten_state(dict(tree)) if frozen & set(k.split("/")))
+
+
+def _check_frozen_kept(check: _Check, module: FederatedModule, clients: Tensor, r: int) -> None:
+    """Frozen parameters (``requires_grad=False``) never travel and are never stored: no tensor named after one is in
+    ``download``, in a client's ``upload``, in the client state or in the server state (the engine's trees hold the
+    trainable parameters only, :mod:`lightning_fedmeta.client.trainable`)."""
+    engine = module.engine
+    assert engine.trainable is not None
+    frozen = set(engine.trainable.frozen)
+    if not frozen:
+        return
+    record = ClientRecord(*(t[0] for t in engine.records(clients[:1])))
+    result = engine.compute(r)
+    assert result is not None, f"round {r}: no client answered"
+    places = {
+        "download": engine.algorithm.download(engine.global_params(), engine.server_state, record),
+        "upload": engine.algorithm.upload(upload_of_client(result.output, 0)),
+        "the client state": engine.client_states.tensors,
+        "the server state": engine.server_state,
+    }
+    for where, tree in places.items():
+        found = _frozen_paths(tree, frozen)
+        if found:
+            check.fail(f"{where} holds frozen parameters {found[:3]} (requires_grad=False): frozen parameters are "
+                       "never sent or stored; build trees from the parameters the engine gives (global_params)")
 
 
 def _check_population_view(setup: _Setup) -> None:

@@ -2,6 +2,7 @@
 
 # the public names of the module this package replaced (models.py), so
 # `from lightning_fedmeta.models import X` keeps working
+from lightning_fedmeta.models.lora import LoRALinear, LoRAModel, add_lora, lora_parameter_count
 from lightning_fedmeta.models.reference import (
     ELU,
     FEMNISTCNN,
@@ -17,7 +18,6 @@ from lightning_fedmeta.models.reference import (
     TinyTransformer,
     default_model,
 )
-from lightning_fedmeta.models.lora import LoRALinear, LoRAModel, add_lora, lora_parameter_count
 
 __all__ = [
     "FEMNISTCNN",
