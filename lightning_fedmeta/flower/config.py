@@ -78,6 +78,18 @@ def _class_spec(spec: Any, option: str) -> tuple[Callable[..., Any], dict[str, A
     return import_object(spec["class_path"], f"{option}.class_path"), dict(spec.get("init_args") or {})
 
 
+def _nested_objects(args: dict[str, Any], option: str) -> dict[str, Any]:
+    """``args`` with every ``{class_path, init_args}`` value built (recursively), as the command line's parser
+    builds them (e.g. the base model inside :class:`~lightning_fedmeta.models.lora.LoRAModel`)."""
+    built = {}
+    for key, value in args.items():
+        if isinstance(value, dict) and "class_path" in value:
+            cls, inner = _class_spec(value, f"{option}.{key}")
+            value = cls(**_nested_objects(inner, f"{option}.{key}.init_args"))
+        built[key] = value
+    return built
+
+
 @dataclass
 class DeploymentConfig:
     """What a deployment needs from a fedmeta config (see the module docstring)."""
@@ -140,7 +152,7 @@ class DeploymentConfig:
             return default_model(tuple(data_spec["input_shape"]), data_spec.get("num_classes"), task=task,
                                  target_shape=tuple(data_spec.get("target_shape") or ()))
         cls, args = _class_spec(self.model_spec, "model.model")
-        model = cls(**args)
+        model = cls(**_nested_objects(args, "model.model.init_args"))
         if not isinstance(model, nn.Module):
             raise ValueError(f"model.model must build an nn.Module, got {type(model).__name__}")
         return model

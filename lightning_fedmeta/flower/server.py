@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lightning_fedmeta.algorithms.base import ClientOutput, ClientRecord
 from lightning_fedmeta.client.functional import Params
+from lightning_fedmeta.client.trainable import trainable_parameters
 from lightning_fedmeta.communication.accounting import TrafficCounter, sent_model
 from lightning_fedmeta.communication.compressors import check_composition
 from lightning_fedmeta.evaluation.fairness import flat_spread, summaries_with_spread
@@ -298,8 +299,10 @@ class DeploymentServer:
             "target_shape": list(first["target-shape"]),
         }
         self.model = cfg.build_model(spec)
-        self.init_params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        self.optimizer = cfg.server_optimizer(list(self.model.parameters()))
+        # the trainable parameters only: frozen ones (requires_grad=False) are never sent or stepped; every node
+        # builds the same frozen base from the config and seed (lightning_fedmeta.client.trainable)
+        self.init_params = {n: p.clone() for n, p in trainable_parameters(self.model).items()}
+        self.optimizer = cfg.server_optimizer([p for p in self.model.parameters() if p.requires_grad])
         options = cfg.module_options
         self.counts = torch.tensor([int(self.info[p]["num-train"]) for p in range(k)], dtype=torch.long)
         self.label_counts = torch.stack([self.info[p]["label_counts"] for p in range(k)])
@@ -387,7 +390,8 @@ class DeploymentServer:
         return self.federation.seen
 
     def params(self) -> Params:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """The global model's trainable parameters (what the nodes receive; frozen ones stay on each node)."""
+        return trainable_parameters(self.model)
 
     def statistics(self) -> dict[str, Tensor]:
         """The model's BatchNorm running statistics (``{}`` without them): what a client that never trained
@@ -464,7 +468,7 @@ class DeploymentServer:
             raise ValueError(f"checkpoint {path} was written for other partitions (sizes {saved['counts'].tolist()}, "
                              f"connected {self.counts.tolist()})")
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in trainable_parameters(self.model).items():
                 p.copy_(saved["params"][name])
         with torch.no_grad():
             for name, value in saved.get("statistics", {}).items():

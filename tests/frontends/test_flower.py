@@ -374,3 +374,26 @@ def test_user_hook_supplies_the_node_data(tmp_path: Path) -> None:
     assert data.num_classes == 10  # from model.model.init_args.num_classes
     with pytest.raises(ValueError, match="client-data = 'tests.frontends.test_flower:nothing'"):
         load_partition(cfg, 2, NUM_CLIENTS, "tests.frontends.test_flower:nothing")
+
+
+def test_deployment_of_a_lora_model_sends_the_adapters_only_and_equals_in_process(tmp_path: Path) -> None:
+    """A model with frozen parameters (LoRA adapters on an MLP): the nodes receive and return the adapters alone,
+    each builds the same frozen base from the config's seed, and the run equals the in-process one."""
+    cfg_path = write_config(tmp_path, ALGORITHMS["fedavg"])
+    text = cfg_path.read_text().replace(
+        "class_path: lightning_fedmeta.models.reference.MLP\n    init_args: {in_features: 60, hidden: [6], "
+        "num_classes: 10}",
+        "class_path: lightning_fedmeta.models.LoRAModel\n    init_args:\n      model: {class_path: "
+        "lightning_fedmeta.models.reference.MLP, init_args: {in_features: 60, hidden: [6], num_classes: 10}}\n"
+        "      rank: 2\n      alpha: 4.0")
+    assert "LoRAModel" in text
+    cfg_path.write_text(text)
+    reference = in_process(cfg_path)
+    server, _grid = deployed(cfg_path, tmp_path)
+    adapters = {n: p.detach() for n, p in reference.model.named_parameters() if p.requires_grad}
+    assert adapters and all(n.endswith(("lora_A", "lora_B")) for n in adapters)
+    assert sorted(server.params()) == sorted(adapters) == sorted(server.init_params)
+    assert max_diff(adapters, server.init_params) > 1e-4  # the adapters trained
+    assert max_diff(adapters, server.params()) < 1e-5
+    base = {n: p.detach() for n, p in reference.model.named_parameters() if not p.requires_grad}
+    assert max_diff(base, {n: p.detach() for n, p in server.model.named_parameters() if not p.requires_grad}) == 0
