@@ -128,7 +128,7 @@ class RoundEngine:
         self.model: nn.Module | None = None
         #: the model's trainable parameters, fixed at bind time (frozen ones are never trained, sent or stored)
         self.trainable: TrainableSet | None = None
-        self._bound_model: nn.Module | None = None
+        self._bound_model: nn.Module | None = None  # the model whose trainable set ``trainable`` holds
         self.batching = "loop"
         self.validated: set[str] = set()  # outputs validated on the first round with this data
         self._broadcast: Callable[[Any], Any] | None = None  # rank 0's value to every rank (set by run_round)
@@ -251,11 +251,6 @@ class RoundEngine:
         from a checkpoint before any data is bound passes it here)."""
         self.model = model
 
-    @property
-    def bound_model(self) -> nn.Module | None:
-        """The model whose trainable set :attr:`trainable` holds (the last one bound)."""
-        return self._bound_model
-
     def use_ranks(self, ranks: RankSplit) -> None:
         """Which of a round's clients this process computes (:class:`~lightning_fedmeta.loop.ranks.RankSplit`)."""
         self.ranks = ranks
@@ -321,7 +316,7 @@ class RoundEngine:
         Frozen parameters (``requires_grad=False``) are left out (:mod:`lightning_fedmeta.client.trainable`); once
         the model is bound, a changed trainable set raises ``RuntimeError``."""
         assert self.model is not None
-        if self.trainable is None or self.model is not self.bound_model:
+        if self.trainable is None or self.model is not self._bound_model:  # not bound yet
             return trainable_parameters(self.model)
         return self.trainable.params(self.model)
 
