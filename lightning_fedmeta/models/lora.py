@@ -7,6 +7,15 @@
 with ``A`` drawn as ``nn.Linear`` draws its weight (Kaiming-uniform, ``a = √5``, as the paper's reference code
 ``loralib`` does) and ``B = 0``, so the adapted model starts as the base model. Only ``A`` and ``B`` are trainable.
 
+FFA-LoRA (Sun, Li, Li, Ding, "Improving LoRA in Privacy-preserving Federated Learning", ICLR 2024): with
+``freeze_a=True`` every ``A`` is frozen at its random initialisation (``requires_grad=False``) and only the
+zero-initialised ``B`` is trained. ``A`` is then part of the frozen base: every client builds the same one from the
+model's seed, and it is never trained, sent or stored. FedAvg over ``B`` is FFA-LoRA, and its aggregation is exact:
+with one ``A`` for all, ``Σ_i p_i B_i A = (Σ_i p_i B_i) A``, the average of the clients' updates ``B_i A`` (with
+``A`` trained too, the average of the products is not the product of the averages). Under SGD the scale ``α/r``
+then only rescales the step on ``B A`` (by ``(α/r)²``), so the paper finds FFA-LoRA insensitive to ``α`` over a
+wide range and can use a larger one than LoRA (tune ``alpha`` with ``local_lr``).
+
 :func:`add_lora` replaces the matching ``nn.Linear`` modules of a model by :class:`LoRALinear` and freezes every other
 parameter (``requires_grad=False``), in place. The federation then trains, sends and stores the adapters alone: the
 frozen base is shared by every client and never copied per client (:mod:`lightning_fedmeta.client.trainable`).
@@ -41,9 +50,10 @@ class LoRALinear(nn.Module):
         base: the linear layer to adapt; its weight and bias are frozen (``requires_grad=False``) in place.
         rank: ``r ≥ 1``, the rank of the update ``B A``.
         alpha: ``α > 0``; the update is scaled by ``α / r``.
+        freeze_a: freeze ``A`` at its random initialisation, train ``B`` only (FFA-LoRA; module docstring).
     """
 
-    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0) -> None:
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0, freeze_a: bool = False) -> None:
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear adapts an nn.Linear, got {type(base).__name__}")
@@ -51,6 +61,8 @@ class LoRALinear(nn.Module):
             raise ValueError(f"the LoRA rank must be a positive integer, got {rank!r}")
         if not alpha > 0:
             raise ValueError(f"the LoRA alpha must be positive, got {alpha!r}")
+        if not isinstance(freeze_a, bool):
+            raise ValueError(f"freeze_a must be true or false, got {freeze_a!r}")
         self.base = base
         for p in base.parameters():
             p.requires_grad_(False)
@@ -61,12 +73,14 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(self.rank, base.in_features, dtype=weight.dtype, device=weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, self.rank, dtype=weight.dtype, device=weight.device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.freeze_a = freeze_a
+        self.lora_A.requires_grad_(not freeze_a)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * self.scaling
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}"
+        return f"rank={self.rank}, alpha={self.alpha}" + (", freeze_a=True" if self.freeze_a else "")
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -76,9 +90,10 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 
 def add_lora(model: nn.Module, targets: Sequence[str] | str | None = None, rank: int = 8, alpha: float = 16.0,
-             train_also: Sequence[str] | str = ()) -> nn.Module:
+             train_also: Sequence[str] | str = (), freeze_a: bool = False) -> nn.Module:
     """Replace the ``nn.Linear`` modules of ``model`` named by ``targets`` with :class:`LoRALinear` (in place) and
-    freeze every parameter but the adapters' ``lora_A``/``lora_B`` and those named by ``train_also``.
+    freeze every parameter but the adapters' ``lora_A``/``lora_B`` and those named by ``train_also``
+    (with ``freeze_a``, ``lora_A`` too: FFA-LoRA).
 
     Args:
         model: any module.
@@ -87,6 +102,8 @@ def add_lora(model: nn.Module, targets: Sequence[str] | str | None = None, rank:
             error (a misspelt name would otherwise train nothing).
         rank: ``r``. alpha: ``α`` (the update is scaled by ``α/r``).
         train_also: parameter names left trainable besides the adapters (same matching; e.g. ``head.*``).
+        freeze_a: freeze every ``lora_A`` at its random initialisation and train ``B`` only (FFA-LoRA, module
+            docstring); ``train_also`` may then not name a ``lora_A``.
 
     Returns:
         ``model`` itself.
@@ -111,12 +128,15 @@ def add_lora(model: nn.Module, targets: Sequence[str] | str | None = None, rank:
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoRALinear(linear, rank, alpha))
+        setattr(parent, child, LoRALinear(linear, rank, alpha, freeze_a))
     if also:
         named = dict(model.named_parameters())
         unused = [p for p in also if not any(_matches(n, [p]) for n in named)]
         if unused:
             raise ValueError(f"train_also {unused} match no parameter of the model")
+        if freeze_a and any(_matches(n, also) for n in named if n.endswith("lora_A")):
+            raise ValueError(f"freeze_a freezes every lora_A, but train_also {also} names one; drop it from "
+                             "train_also, or set freeze_a false to train A")
         for n, p in named.items():
             if _matches(n, also):
                 p.requires_grad_(True)
@@ -134,17 +154,18 @@ class LoRAModel(nn.Module):
 
     Args:
         model: the base model (in a config: ``{class_path: ..., init_args: ...}``).
-        targets, rank, alpha, train_also: as :func:`add_lora`.
+        targets, rank, alpha, train_also, freeze_a: as :func:`add_lora` (``freeze_a: true``: FFA-LoRA).
         base_weights: a ``state_dict`` file of the base model (``torch.save(model.state_dict(), path)``), loaded
             (``weights_only``) before the adapters are added; ``None`` keeps the base's own initialisation.
     """
 
     def __init__(self, model: nn.Module, targets: Sequence[str] | str | None = None, rank: int = 8,
-                 alpha: float = 16.0, train_also: Sequence[str] | str = (), base_weights: str | None = None) -> None:
+                 alpha: float = 16.0, train_also: Sequence[str] | str = (), base_weights: str | None = None,
+                 freeze_a: bool = False) -> None:
         super().__init__()
         if base_weights is not None:
             model.load_state_dict(torch.load(base_weights, map_location="cpu", weights_only=True))
-        self.model = add_lora(model, targets, rank, alpha, train_also)
+        self.model = add_lora(model, targets, rank, alpha, train_also, freeze_a)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
