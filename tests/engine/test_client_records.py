@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_fedmeta import FederatedModule, from_client_tensors
 from lightning_fedmeta.data import FederatedDataModule
+from lightning_fedmeta.models.lora import add_lora
 from lightning_fedmeta.registry import list_algorithms
 from lightning_fedmeta.testing import tiny_clients
 from tests.helpers import make_tiny_clients, make_trainer, tanh_mlp, tiny_linear
@@ -38,6 +39,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "fedmaml": {"alpha": 0.1},
 }
 LINEAR_ONLY = {"mocha"}
+LORA_ONLY = {"fedsa_lora"}  # needs LoRA adapters (lora_A shared, lora_B personal)
 
 
 def _names() -> list[str]:
@@ -45,6 +47,8 @@ def _names() -> list[str]:
 
 
 def _model(name: str) -> nn.Module:
+    if name in LORA_ONLY:
+        return add_lora(tanh_mlp(), rank=2)
     return tiny_linear() if name in LINEAR_ONLY else tanh_mlp()
 
 

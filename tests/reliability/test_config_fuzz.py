@@ -35,6 +35,7 @@ from lightning_fedmeta.client.losses import LOSSES
 from lightning_fedmeta.communication.compressors import COMPRESSORS, DOWNLOADS
 from lightning_fedmeta.data import FederatedDataModule
 from lightning_fedmeta.data.datamodule import DATASET_NAMES, PARTITION_NAMES, SYNTHETIC_DATASETS, TEST_SPLITS
+from lightning_fedmeta.models.lora import add_lora
 from lightning_fedmeta.registry import list_algorithms, load_algorithm
 from lightning_fedmeta.reliability.attacks import ATTACKS
 from lightning_fedmeta.reliability.robust import AGGREGATORS
@@ -113,6 +114,10 @@ NO_INVALID_BOOL = "every bool is valid"
 def _two_layers() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _lora_two_layers() -> nn.Module:
+    return add_lora(_two_layers(), rank=2)
 
 
 def _batch_norm() -> nn.Module:
@@ -284,6 +289,7 @@ ALGORITHM_BASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module]]] = {
     "fedala": ({}, _two_layers), "fedbabu": ({}, _two_layers), "fedbn": ({}, _batch_norm),
     "feddbe": ({}, _two_layers), "fedproto": ({}, _two_layers), "fedrod": ({}, _two_layers),
     "lg_fedavg": ({}, _two_layers), "fedas": ({}, _two_layers), "fedpac": ({}, _two_layers),
+    "fedsa_lora": ({}, _lora_two_layers),
 }
 HEAD_PREFIX = Option(st.none() | st.just("2."), st.just("zzz") | st.just("") | st.just(["0.", "2."]))
 SEED64 = Option(st.integers(-(2**63), 2**64 - 1), st.integers(min_value=2**64) | st.integers(max_value=-(2**63) - 1))
@@ -323,6 +329,8 @@ ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
     "fedprox": {"mu": nonnegative_finite()},
     "fedrep": {"head_prefix": HEAD_PREFIX, "head_steps": int_at_least(1), "head_epochs": PHASE_EPOCHS},
     "fedrod": {"head_prefix": HEAD_PREFIX, "balanced": Option(st.booleans(), None, NO_INVALID_BOOL)},
+    "fedsa_lora": {"personal": Option(st.sampled_from(["lora_B", ["lora_B"], ["2.lora_B"], ["*.lora_B", "0.lora_A"]]),
+                                      st.sampled_from(["zzz", "", [], [3], ["lora_A", "lora_B"]]))},
     "ifca": {"num_clusters": int_at_least(1, 3), "init": Option(st.sampled_from(["kmeans++", "perturb"]),
              text_not_in(["kmeans++", "perturb"])), "init_noise": nonnegative_finite(),
              "init_seed": Option(st.integers(0, 2**31), None, "any integer is a seed"),
