@@ -133,7 +133,9 @@ class RobustRule:
         """Raise ``ValueError`` when the rule cannot combine ``n`` rows, ``f`` of them Byzantine."""
 
     def __call__(self, rows: Tensor, weights: Tensor, *, f: int = 0, steps: Tensor | None = None) -> Tensor:
-        raise NotImplementedError
+        """The combined row of ``rows`` ``[n, d]`` (weights ``[n]``): every rule defines it."""
+        raise NotImplementedError(f"{type(self).__name__} is a RobustRule but defines no __call__(rows, weights, *, "
+                                  "f, steps) returning the combined row (docs/plugins.md, robust rules)")
 
 
 class Mean(RobustRule):
