@@ -29,6 +29,18 @@ round's in memory) with ``--state-dir`` (default: a fresh temporary folder per r
     python -m benchmarks.scale --quick                 # K = 300, 1000; a few rounds: a smoke run (< 2 min)
     python -m benchmarks.scale                         # the full grid, memory store
     python -m benchmarks.scale --store disk            # the full grid with the disk-backed store
+
+Adapters (``--adapters``, issue 40; docs/scale.md "Adapters at scale"): FedSA-LoRA on a LoRA'd TinyTransformer
+(:data:`ADAPTER_LM`: vocabulary 64, width 64, 2 blocks, 16 positions; rank-4 adapters on ``qkv``, ``proj`` and
+``head``), each client keeping its own ``lora_B`` matrices (2,304 float32 = 9,216 bytes a client) in the memory and
+in the disk store, at ``K ∈ {10^3, 10^4}`` (``--ks`` for more), 10 clients per round, on
+:func:`adapter_population` (4 training windows and 1 test window of 16 random tokens per client, generated in one
+draw). Measured per run, in its own subprocess as above: ms per round, peak RSS, the state's bytes
+(``K × 9,216``), the store's resident bytes (the disk store: the template row and 2 bytes a client), the rows
+written and the round's bytes on the wire. Results: ``results/scale_adapters.jsonl`` and ``scale_adapters.md``.
+
+    python -m benchmarks.scale --adapters --quick      # K = 300, 1000: a smoke run
+    python -m benchmarks.scale --adapters              # K = 1,000 and 10,000, memory and disk store
 """
 
 from __future__ import annotations
@@ -54,6 +66,11 @@ HIDDEN = (196, 272)  # 60-196-272-10: 68,270 parameters, as W's 784-80-60-10
 DIM, CLASSES = 60, 10
 ALGORITHMS = {"FedAvg": {"name": "fedavg", "local_lr": 0.001}, "Ditto": {"name": "ditto", "local_lr": 0.001,
                                                                          "lam": 0.1}}
+#: the adapters case (``--adapters``): the LoRA'd TinyTransformer and its data
+ADAPTER_LM = {"vocab_size": 64, "d_model": 64, "nhead": 4, "num_layers": 2, "max_len": 16}
+ADAPTER_LORA = {"targets": ["qkv", "proj", "head"], "rank": 4, "alpha": 8.0}
+ADAPTER_WINDOWS = 4  # training windows per client (and one test window)
+ADAPTER_ALGORITHM = {"name": "fedsa_lora", "local_steps": 4, "local_lr": 0.1, "batch_size": 4}
 #: the targets of the scale issue (checked in scale.md, never in tests)
 DITTO_RSS_TARGET_MB = 3000.0  # 3 GB = 3e9 bytes ≈ 2861 MiB; the table shows MB = 10^6 bytes
 DITTO_TIME_RATIO = 1.5
@@ -96,6 +113,94 @@ def _module(algorithm: str, data: Any, per_round: int, store: str, state_dir: st
     return module, torch.optim.SGD(module.model.parameters(), lr=1.0)
 
 
+def adapter_population(num_clients: int, seed: int = 0) -> Any:
+    """``num_clients`` next-token clients of :data:`ADAPTER_WINDOWS` training windows and one test window of
+    ``max_len`` random tokens each (``FederatedData``, task ``next_token``), drawn in one vectorised call: the data
+    cost ``5 × 16 × 2 × 8 = 1,280`` bytes a client and no Python object per client."""
+    import torch
+
+    from lightning_fedmeta.data import FederatedData
+
+    vocab, t = ADAPTER_LM["vocab_size"], ADAPTER_LM["max_len"]
+    g = torch.Generator().manual_seed(seed)
+    train = torch.randint(0, vocab, (num_clients * ADAPTER_WINDOWS, t + 1), generator=g)
+    test = torch.randint(0, vocab, (num_clients, t + 1), generator=g)
+    return FederatedData(train[:, :-1], train[:, 1:], torch.arange(num_clients + 1) * ADAPTER_WINDOWS,
+                         test[:, :-1], test[:, 1:], torch.arange(num_clients + 1), vocab, task="next_token")
+
+
+def adapter_module(data: Any, per_round: int, store: str, state_dir: str | None) -> Any:
+    """FedSA-LoRA (:data:`ADAPTER_ALGORITHM`) on the LoRA'd TinyTransformer, ``model.client_state = store``."""
+    import torch
+
+    from lightning_fedmeta import FederatedModule
+    from lightning_fedmeta.models.lora import add_lora
+    from lightning_fedmeta.models.reference import TinyTransformer
+
+    torch.manual_seed(0)
+    model = add_lora(TinyTransformer(**ADAPTER_LM), **ADAPTER_LORA)
+    extra: dict[str, Any] = {"client_state": store}
+    if store == "disk":
+        extra["client_state_dir"] = state_dir
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = FederatedModule(model=model, algorithm=dict(ADAPTER_ALGORITHM), clients_per_round=per_round,
+                                 client_chunk_size=100, compile_clients=False, **extra)
+    module.attach_data(data)
+    return module
+
+
+def adapter_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The adapters measurement (module docstring): ``spec`` has ``K``, ``per_round``, ``store``, ``rounds``."""
+    import statistics
+
+    import torch
+
+    from benchmarks.speed import run_round
+
+    started = time.perf_counter()
+    data = adapter_population(spec["K"])
+    result: dict[str, Any] = {"generate_s": time.perf_counter() - started}
+    tensors = (data.train_x, data.train_y, data.test_x, data.test_y, data.train_offsets, data.test_offsets)
+    result["data_mb"] = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    state_dir = spec.get("state_dir") or (tempfile.mkdtemp(prefix="fedmeta_adapters_") if spec["store"] == "disk"
+                                           else None)
+    try:
+        started = time.perf_counter()
+        module = adapter_module(data, spec["per_round"], spec["store"], state_dir)
+        result["setup_s"] = time.perf_counter() - started
+        store = module.client_states
+        params = list(module.model.named_parameters())
+        result["base_params"] = sum(p.numel() for _, p in params if not p.requires_grad)
+        result["adapter_params"] = sum(p.numel() for _, p in params if p.requires_grad)
+        result["store"] = type(store).__name__
+        result["state_mb"] = store.nbytes() / 1e6
+        result["row_bytes"] = store.nbytes() // spec["K"]
+        optimizer = torch.optim.SGD([p for _, p in params if p.requires_grad], lr=1.0)
+        times, cpu = [], []
+        for r in range(2 + spec["rounds"]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            run_round(module, optimizer, r)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        result["ms_per_round"] = 1e3 * statistics.median(times[2:])
+        result["cpu_ms_per_round"] = 1e3 * statistics.median(cpu[2:])
+        resident = getattr(store, "resident_bytes", store.nbytes)
+        result["store_resident_mb"] = resident() / 1e6
+        written = getattr(store, "written", None)
+        result["rows_written"] = None if written is None else int(written.sum())
+        traffic = module.engine.traffic.last
+        if traffic is not None:
+            totals = traffic.totals()
+            result["up_bytes_per_round"] = totals["comm/up_bytes"]
+            result["down_bytes_per_round"] = totals["comm/down_bytes"]
+    finally:
+        if state_dir and not spec.get("state_dir"):
+            shutil.rmtree(state_dir, ignore_errors=True)
+    result["vm_hwm_mb"] = _vm_hwm_mb()
+    return result
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one measurement (in this fresh process) and return its figures."""
     import statistics
@@ -106,6 +211,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_fedmeta.data.synthetic_scale import make_synthetic_scale
 
     torch.set_num_threads(spec["threads"])
+    if spec["kind"] == "adapters":
+        return adapter_child(spec)
     started = time.perf_counter()
     data = make_synthetic_scale(1.0, 1.0, num_clients=spec["K"], dim=DIM, num_classes=CLASSES, seed=0)
     result: dict[str, Any] = {"generate_s": time.perf_counter() - started}
@@ -159,6 +266,10 @@ def _key(spec: dict[str, Any]) -> str:
 
 
 def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.adapters:
+        return [{"kind": "adapters", "algorithm": "FedSA-LoRA", "K": k, "per_round": m, "store": store,
+                 "rounds": args.rounds, "threads": args.threads}
+                for store in args.adapter_stores for m in args.per_round for k in args.ks if m <= k]
     base = {"threads": args.threads, "store": args.store, "rounds": args.rounds}
     specs: list[dict[str, Any]] = [{"kind": "generate", "K": k, "threads": args.threads} for k in args.ks]
     for k in args.ks:
@@ -183,7 +294,7 @@ def _memory_mb() -> float:
 
 def skip_reason(spec: dict[str, Any]) -> str | None:
     """Why a measurement cannot run here (the memory store of Ditto at large K), else None."""
-    if spec["kind"] == "generate" or spec.get("store") != "memory" or spec["algorithm"] != "Ditto":
+    if spec["kind"] in ("generate", "adapters") or spec.get("store") != "memory" or spec["algorithm"] != "Ditto":
         return None
     need = spec["K"] * 68_270 * 4 / 1e6
     if need > 0.5 * _memory_mb():
@@ -235,11 +346,18 @@ def report(records: list[dict[str, Any]], path_md: Path, plot_dir: Path) -> str:
     rounds = [r for r in records if r["spec"]["kind"] == "round"]
     evals = [r for r in records if r["spec"]["kind"] == "eval"]
     gens = [r for r in records if r["spec"]["kind"] == "generate"]
+    adapters = [r for r in records if r["spec"]["kind"] == "adapters"]
     commands = sorted({r.get("command", "python benchmarks/scale.py") for r in records})
     lines = ["# Scale benchmark (`benchmarks/scale.py`)", "", "Commands (each adds its rows to the JSON-lines file "
              "next to this table):", ""] + [f"    {c}" for c in commands] + [""]
     machines = sorted({r["machine"] for r in records})
     lines += [f"Machine: {m}" for m in machines] + [""]
+    if adapters:
+        lines += adapter_report(adapters)
+    if not (rounds or evals or gens):
+        text = "\n".join(lines) + "\n"
+        path_md.write_text(text)
+        return text
     lines += ["Workload S: `synthetic_scale` (Synthetic(1, 1), power-law sizes n_min = 10, γ = 2, cap 500, d = 60), "
               "ELU MLP 60-196-272-10 (68,270 parameters, as W's), τ = 10, B = 40, eager vmap in chunks of 100. "
               "Each row is its own subprocess; peak RSS is the child's `ru_maxrss` (MB = 10^6 bytes, the "
@@ -292,6 +410,49 @@ def report(records: list[dict[str, Any]], path_md: Path, plot_dir: Path) -> str:
     text = "\n".join(lines) + "\n"
     path_md.write_text(text)
     return text
+
+
+def adapter_report(records: list[dict[str, Any]]) -> list[str]:
+    """The adapters section of the report: one row per (store, K, clients per round), and the growth of the peak
+    RSS from the smallest to the largest K of each store against the growth of the state and of the data."""
+    lines = ["## Adapters: FedSA-LoRA's personal B matrices per client", "",
+             "LoRA'd TinyTransformer (vocabulary 64, width 64, 2 blocks, 16 positions; rank 4 on qkv, proj, head); "
+             "each client keeps its own lora_B; 4 + 1 windows of 16 random tokens per client. State MB: "
+             "K × adapter bytes per client; store MB: what the store holds in process memory (the disk store: "
+             "the template row and 2 bytes a client).", "",
+             "| store | K | clients/round | adapter bytes/client | ms/round | CPU ms/round | peak RSS MB | state MB | "
+             "store MB | data MB | rows written | up bytes/round |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ordered = sorted(records, key=lambda r: (r["spec"]["store"], r["spec"]["per_round"], r["spec"]["K"]))
+    for r in ordered:
+        s, res = r["spec"], r["result"]
+        if "error" in res or "skipped" in res:
+            lines.append(f"| {s['store']} | {s['K']:,} | {s['per_round']} | {res.get('error') or res.get('skipped')} "
+                         "| | | | | | | | |")
+            continue
+        lines.append(f"| {s['store']} | {s['K']:,} | {s['per_round']} | {res['row_bytes']:,} | "
+                     f"{_fmt(res['ms_per_round'])} | {_fmt(res.get('cpu_ms_per_round'))} | "
+                     f"{_fmt(res.get('peak_rss_mb'), 0)} | {_fmt(res.get('state_mb'), 1)} | "
+                     f"{_fmt(res.get('store_resident_mb'), 2)} | {_fmt(res.get('data_mb'), 1)} | "
+                     f"{res.get('rows_written') if res.get('rows_written') is not None else '–'} | "
+                     f"{res.get('up_bytes_per_round', 0):,} |")
+    lines += ["", "### Memory against K", ""]
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in ordered:
+        if _ok(r) and r["result"].get("peak_rss_mb"):
+            groups.setdefault((r["spec"]["store"], r["spec"]["per_round"]), []).append(r)
+    for (store, m), rows in sorted(groups.items()):
+        if len(rows) < 2:
+            continue
+        lo, hi = rows[0], rows[-1]
+        grew = hi["result"]["peak_rss_mb"] - lo["result"]["peak_rss_mb"]
+        state = hi["result"]["state_mb"] - lo["result"]["state_mb"]
+        data = hi["result"]["data_mb"] - lo["result"]["data_mb"]
+        lines.append(f"* {store} store, {m}/round: K = {lo['spec']['K']:,} → {hi['spec']['K']:,}: peak RSS "
+                     f"{grew:+,.0f} MB, against {state:+,.1f} MB of adapter state and {data:+,.1f} MB of data")
+    if lines[-1] == "":
+        lines.append("* (needs two values of K of the same store)")
+    return lines + [""]
 
 
 def _latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -411,9 +572,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "results/scale_quick.jsonl with --quick)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--fresh", action="store_true", help="ignore stored results (re-measure everything)")
+    p.add_argument("--adapters", action="store_true", help="the adapters case instead of workload S: FedSA-LoRA's "
+                   "personal lora_B per client on a LoRA'd TinyTransformer (K = 1,000 and 10,000 unless --ks; "
+                   "10 clients per round unless --per-round)")
+    p.add_argument("--adapter-stores", nargs="+", choices=["memory", "disk"], default=["disk", "memory"],
+                   help="model.client_state of the adapters runs")
     args = p.parse_args(argv)
+    given = set(argv if argv is not None else sys.argv[1:])
+    if args.adapters:
+        if "--ks" not in given:
+            args.ks = [1_000, 10_000]
+        if "--per-round" not in given:
+            args.per_round = [10]
     if args.quick:
         args.ks, args.per_round, args.eval_k, args.eval_n, args.rounds = [300, 1000], [10, 100], 1000, [30, 300], 3
+        if args.adapters:
+            args.per_round = [10]
     return args
 
 
@@ -422,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         print("SCALE_RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_adapters" if args.adapters else "") + ("_quick" if args.quick else "")
     out = args.out or RESULTS / f"scale{suffix}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {} if args.fresh else records_by_key(out)
