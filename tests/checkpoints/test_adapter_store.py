@@ -7,7 +7,6 @@ and a resume from a checkpoint is bit-exact; at 10,000 clients too."""
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import warnings
@@ -82,14 +81,18 @@ def tiny_token_clients(num_clients: int, seed: int = 0) -> FederatedData:
                          torch.arange(num_clients + 1), VOCAB, task="next_token")
 
 
-def segment_size(path: str, rows: int, entries: dict[str, int]) -> int:
-    """The layout of :func:`~lightning_fedmeta.persistence.disk_store.write_segment`: magic and header length (16
-    bytes) and the JSON header, padded to 64; the ``rows`` int64 client indices; each entry's ``rows × row bytes``;
-    every block padded to 64 bytes."""
+def header_bytes(path: str) -> int:
+    """A segment's magic, header length and JSON header (``16 + length`` bytes)."""
     with open(path, "rb") as fh:
         (head,) = struct.unpack("<Q", fh.read(16)[8:])
+    return 16 + int(head)
+
+
+def segment_size(path: str, rows: int, entries: dict[str, int]) -> int:
+    """The layout of :func:`~lightning_fedmeta.persistence.disk_store.write_segment`: the header, padded to 64
+    bytes; the ``rows`` int64 client indices; each entry's ``rows × row bytes``; every block padded to 64 bytes."""
     pad = lambda n: -(-n // 64) * 64  # noqa: E731
-    return pad(16 + head) + pad(INDEX_BYTES * rows) + sum(pad(rows * b) for b in entries.values())
+    return pad(header_bytes(path)) + pad(INDEX_BYTES * rows) + sum(pad(rows * b) for b in entries.values())
 
 
 def allocated_bytes(store: DiskClientStateStore) -> int:
@@ -125,9 +128,9 @@ def test_the_store_holds_the_personal_adapters_only_at_their_exact_bytes(data: A
     assert n == sampled.numel()
     per_entry = {name: 4 * r * c for name, (r, c) in zip(expected, B_SHAPES.values(), strict=True)}
     assert os.path.getsize(path) == segment_size(path, n, per_entry)
-    # the payload of a segment: (8-byte index + adapter bytes) per client; the rest is the header and padding
-    payload = n * (INDEX_BYTES + ROW_BYTES)
-    assert 0 <= os.path.getsize(path) - payload < 64 * (2 + len(expected)) + len(json.dumps(manifest["entries"])) * 2
+    # per client (8-byte index + adapter bytes); per segment the header and under 64 bytes of padding per block
+    overhead = os.path.getsize(path) - n * (INDEX_BYTES + ROW_BYTES)
+    assert header_bytes(path) <= overhead < header_bytes(path) + 64 * (2 + len(expected))
     clients, values = read_segment(path, record["sha256"])
     assert clients.tolist() == sampled.tolist()
     rows = store.gather(clients)["personal"]
@@ -185,8 +188,9 @@ def test_ten_thousand_clients_write_only_the_sampled_adapters(tmp_path: Path) ->
     sampled = torch.unique(torch.cat(run_plain_rounds(module, 3)))
     assert store.written.nonzero().flatten().tolist() == sampled.tolist()
     assert store.resident_bytes() == ROW_BYTES + 2 * k  # flat in K but for 2 bytes of bookkeeping per client
-    page = 4096  # at most one page per written row and entry (plus a page of file-system slack per file)
-    assert allocated_bytes(store) <= (sampled.numel() + 1) * len(B_SHAPES) * page < k * ROW_BYTES // 10
+    # sparse files: about one 4 KiB page per written row and entry (1 MiB of slack for the file system's own
+    # allocation policy), far below the K rows' 5.76 MB
+    assert allocated_bytes(store) <= sampled.numel() * len(B_SHAPES) * 4096 + 2**20 < k * ROW_BYTES // 2
     (record,) = store.checkpoint_state(3)["segments"]
     assert record["rows"] == sampled.numel()
     never = next(i for i in range(k) if i not in set(sampled.tolist()) and not bool(module.is_holdout[i]))
