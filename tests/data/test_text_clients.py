@@ -253,6 +253,10 @@ def test_a_hugging_face_tokenizer_follows_the_protocol(tmp_path: Path) -> None:
         TextClients(str(root), seq_len=2, tokenizer=tok).client_data()
     data = TextClients(str(root), seq_len=2, tokenizer=tok, vocab_size=len(tok)).federated_data()
     assert data.num_classes == 5 and sorted(torch.cat([data.train_x, data.test_x])[:, 0].tolist()) == [0, 2, 3, 4]
+    tok.save_pretrained(tmp_path / "tok")  # the YAML form of docs/data.md: a class_path to a factory, from a folder
+    spec = {"class_path": "transformers.AutoTokenizer.from_pretrained",
+            "init_args": {"pretrained_model_name_or_path": str(tmp_path / "tok")}}
+    same(TextClients(str(root), seq_len=2, tokenizer=spec, vocab_size=5).federated_data(), data)
 
 
 # ---- configuration: YAML class_path and the registered name -----------------------------------------------------
