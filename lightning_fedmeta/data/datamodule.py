@@ -64,7 +64,9 @@ __all__ = [
 SYNTHETIC_DATASETS: tuple[str, ...] = (
     "synthetic", "synthetic_regression", "synthetic_multilabel", "synthetic_next_token", "synthetic_scale",
 )
-DATASET_NAMES: tuple[str, ...] = (*SYNTHETIC_DATASETS, *IMAGE_DATASETS, *LEAF_KINDS)
+#: Federated text read from files under ``root`` (:mod:`~lightning_fedmeta.data.text_clients`).
+TEXT_DATASETS: tuple[str, ...] = ("text_jsonl",)
+DATASET_NAMES: tuple[str, ...] = (*SYNTHETIC_DATASETS, *IMAGE_DATASETS, *LEAF_KINDS, *TEXT_DATASETS)
 PARTITION_NAMES: tuple[str, ...] = (
     "iid", "dirichlet", "shards", "perfedavg_paper", "pathological", "dirichlet_min_size", "flower",
 )
@@ -157,7 +159,10 @@ class FederatedDataModule(L.LightningDataModule):
             (``balanced``, ``byclass``, ``bymerge``, ``letters``, ``digits``, ``mnist``), ``"tiny_imagenet"``
             (:mod:`~lightning_fedmeta.data.more_datasets`), and LEAF's ``"femnist"`` and ``"shakespeare"`` (JSON
             files, one client per LEAF user, the first ``num_clients`` users by id:
-            :class:`~lightning_fedmeta.data.leaf.LeafDataset`).
+            :class:`~lightning_fedmeta.data.leaf.LeafDataset`), and ``"text_jsonl"``: federated text, one
+            ``<client>.jsonl`` file per client in ``root`` (or ``root`` one ``.jsonl``/``.csv`` table with a client
+            column), tokenised by the tokenizer in ``dataset_options`` into next-token windows
+            (:mod:`~lightning_fedmeta.data.text_clients`; ``partition`` does not apply).
         root: data folder. Fashion-MNIST defaults to ``/usr/share/datasets/fashion-mnist``
             (Debian package ``dataset-fashion-mnist``); MNIST and CIFAR-10 need it.
         download: fetch missing image files with torchvision into ``root`` in ``prepare_data``.
@@ -328,6 +333,9 @@ class FederatedDataModule(L.LightningDataModule):
             return f"{type(self.dataset).__name__} (user dataset)"
         if self.dataset in ("synthetic_next_token", *LEAF_KINDS):
             return self.dataset
+        if self.dataset in TEXT_DATASETS:
+            options = "".join(f", {k}={v!r}" for k, v in self.dataset_options.items())
+            return f"{self.dataset}(root={self.root!r}{options})"
         if self.dataset in SYNTHETIC_DATASETS:
             return f"{self.dataset}({self.synthetic_alpha}, {self.synthetic_beta})"
         if self.dataset not in DATASET_NAMES:
@@ -571,6 +579,8 @@ def _check_root(dataset: str | FederatedDataset, root: str | None) -> None:
         *SYNTHETIC_DATASETS, "fashion_mnist")
     if needs_root and root is None:
         how = ("the folder with LEAF's train/ and test/ JSON files" if dataset in LEAF_KINDS
+               else "a folder of <client>.jsonl files, or one .jsonl/.csv table with a client column"
+               if dataset in TEXT_DATASETS
                else "with `download: true` the files are fetched there, where torchvision can")
         raise ValueError(f"dataset {dataset!r} needs a `root` folder, got root=None ({how})")
 

@@ -299,3 +299,11 @@ def test_text_jsonl_by_name_through_the_data_module(tmp_path: Path) -> None:
     same(dm.federated_data, direct)
     with pytest.raises(ValueError, match="has no option"):
         FederatedDataModule(dataset="text_jsonl", root=str(root), dataset_options={"seqlen": 8})
+
+
+def test_the_data_module_names_text_jsonl_and_asks_for_its_root() -> None:
+    from lightning_fedmeta.data import DATASET_NAMES, FederatedDataModule
+
+    assert "text_jsonl" in DATASET_NAMES
+    with pytest.raises(ValueError, match=r"'text_jsonl' needs a `root` folder.*<client>\.jsonl"):
+        FederatedDataModule(dataset="text_jsonl")
