@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft", reason="pip install 'lightning-fedmeta[llm]'"
 
 from lightning_fedmeta import FederatedModule  # noqa: E402
 from lightning_fedmeta.algorithms.fedsa_lora import personal_parameter_names  # noqa: E402
-from lightning_fedmeta.client.execution import choose_batching  # noqa: E402
+from lightning_fedmeta.client.execution import BatchingError, choose_batching  # noqa: E402
 from lightning_fedmeta.client.functional import ClientContext, model_logits  # noqa: E402
 from lightning_fedmeta.data.synthetic_tasks import make_synthetic_next_token  # noqa: E402
 from lightning_fedmeta.loop.server import apply_server_step  # noqa: E402
@@ -193,6 +193,22 @@ def test_lora_dropout_runs_the_clients_looped(data: Any) -> None:
         deltas.append(module.engine.combine(result).update.delta)
     assert all(torch.equal(deltas[0][k], deltas[1][k]) for k in deltas[0])
     assert any(float(v.abs().max()) > 0 for v in deltas[0].values())
+
+
+def test_functional_attention_dropout_is_refused_batched_and_runs_looped(data: Any) -> None:
+    """Llama draws its attention dropout as a function argument, not an nn.Dropout layer: the automatic choice
+    cannot see it, the batched round refuses the draw by name, and client_batching='loop' runs it (docs)."""
+    def llama() -> nn.Module:
+        torch.manual_seed(0)
+        return HuggingFaceCausalLM("llama", {**LLAMA, "attention_dropout": 0.1},
+                                   lora={"r": 2, "target_modules": ["q_proj"]})
+
+    module = bound(data, llama())
+    assert module.engine.batching == "vmap"
+    with pytest.raises(BatchingError, match="draws random numbers, which the batched client path refuses"):
+        module.engine.compute(0)
+    looped = bound(data, llama(), batching="loop")
+    assert looped.engine.compute(0) is not None
 
 
 # ----------------------------------------------------------------------------------------------
