@@ -73,7 +73,7 @@ def write_config(tmp: Path) -> Path:
               config: {{n_layer: 1, n_embd: 16, n_head: 2, vocab_size: 16, n_positions: 20, resid_pdrop: 0.0,
                         embd_pdrop: 0.0, attn_pdrop: 0.0, bos_token_id: 0, eos_token_id: 0,
                         initializer_range: 0.2}}
-              lora: {{r: 2, lora_alpha: 4, target_modules: [c_attn], lora_dropout: 0.0}}
+              lora: {{r: 2, lora_alpha: 4, target_modules: [c_attn], lora_dropout: 0.0, fan_in_fan_out: true}}
         data: {{dataset: synthetic_next_token, num_clients: {NUM_CLIENTS}, eval_every: 100}}
         """))
     return path

@@ -55,8 +55,9 @@ def peft_gpt2(lora_dropout: float = 0.0) -> nn.Module:
     ``ModelOutput``."""
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
-    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
-                                                     lora_dropout=lora_dropout))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=lora_dropout,
+                             fan_in_fan_out=True)  # GPT-2's Conv1D stores its weight transposed
+    return peft.get_peft_model(base, config)
 
 
 def peft_llama() -> nn.Module:
@@ -229,7 +230,8 @@ def test_hf_causal_lm_loads_a_local_pretrained_directory(tmp_path: Path) -> None
     pretrained = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     pretrained.save_pretrained(tmp_path / "base")
     torch.manual_seed(2)
-    model = HuggingFaceCausalLM(pretrained=str(tmp_path / "base"), lora={"r": 2, "target_modules": ["c_attn"]})
+    model = HuggingFaceCausalLM(pretrained=str(tmp_path / "base"),
+                                lora={"r": 2, "target_modules": ["c_attn"], "fan_in_fan_out": True})
     x = torch.randint(0, VOCAB, (3, T))
     with torch.no_grad():
         torch.testing.assert_close(model(x), pretrained(x).logits, rtol=0, atol=1e-6)  # B = 0: the base's output
@@ -252,7 +254,7 @@ def test_hf_causal_lm_refuses_bad_arguments_with_the_reason(kwargs: dict, error:
 def test_hf_causal_lm_without_the_llm_extra_names_it(missing: str, monkeypatch: Any) -> None:
     monkeypatch.setitem(sys.modules, missing, None)  # import fails as if not installed
     with pytest.raises(ImportError, match=rf"needs '{missing}', part of the optional extra 'llm'.*\[llm\]"):
-        HuggingFaceCausalLM("gpt2", GPT2, lora={"r": 2, "target_modules": ["c_attn"]})
+        HuggingFaceCausalLM("gpt2", GPT2, lora={"r": 2, "target_modules": ["c_attn"], "fan_in_fan_out": True})
 
 
 def test_the_core_does_not_import_transformers_or_peft() -> None:
