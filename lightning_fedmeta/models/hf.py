@@ -94,6 +94,12 @@ class HuggingFaceCausalLM(nn.Module):
             model = peft.get_peft_model(model, peft.LoraConfig(**{"task_type": "CAUSAL_LM", **lora}))
         self.model = model
 
+    @property
+    def config(self) -> Any:
+        """The ``transformers`` configuration of the model (its ``n_positions`` / ``max_position_embeddings`` is the
+        context length :func:`~lightning_fedmeta.models.generation.generate` crops to)."""
+        return self.model.config
+
     def forward(self, x: Tensor) -> Tensor:
         """The logits ``[B, T, V]`` of the token ids ``x [B, T]``."""
         return self.model(input_ids=x).logits

@@ -28,7 +28,8 @@ from lightning_fedmeta.client.execution import BatchingError, choose_batching  #
 from lightning_fedmeta.client.functional import ClientContext, model_logits  # noqa: E402
 from lightning_fedmeta.data.synthetic_tasks import make_synthetic_next_token  # noqa: E402
 from lightning_fedmeta.loop.server import apply_server_step  # noqa: E402
-from lightning_fedmeta.models import HuggingFaceCausalLM, add_lora  # noqa: E402
+from lightning_fedmeta.models import HuggingFaceCausalLM, add_lora, generate  # noqa: E402
+from lightning_fedmeta.models.generation import context_length  # noqa: E402
 from lightning_fedmeta.persistence.memory_store import flatten_state  # noqa: E402
 from lightning_fedmeta.testing import (  # noqa: E402
     CHECKS,
@@ -223,6 +224,14 @@ def test_hf_causal_lm_returns_the_logits_and_freezes_the_base() -> None:
     assert len(trainable) == 8 and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     full = HuggingFaceCausalLM("gpt2", GPT2)  # no lora: every parameter trained
     assert all(p.requires_grad for p in full.parameters())
+
+
+def test_generate_runs_on_peft_models_with_their_context_length() -> None:
+    wrapped, direct = peft_llama(), peft_gpt2()
+    assert context_length(wrapped) == context_length(direct) == T
+    for model in (wrapped, direct):
+        out = generate(model, [1, 2, 3], max_new_tokens=2 * T)  # longer than the context: cropped, runs
+        assert out.shape[-1] == 3 + 2 * T and int(out.max()) < VOCAB
 
 
 def test_hf_causal_lm_loads_a_local_pretrained_directory(tmp_path: Path) -> None:
