@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm, ClientOutput, ClientRecord, client_records
 from lightning_fedmeta.client.execution import choose_batching, run_clients
-from lightning_fedmeta.client.functional import Batch, ClientContext, Params
+from lightning_fedmeta.client.functional import Batch, ClientContext, Params, model_logits
 from lightning_fedmeta.client.sampling import stable_seed
 from lightning_fedmeta.communication.accounting import payload_bytes, upload_of_client
 from lightning_fedmeta.data.datamodule import FederatedDataModule
@@ -662,7 +662,7 @@ def _test_loss_and_accuracy(module: FederatedModule, model: nn.Module, i: int) -
     assert module.data is not None
     x, y = module.data.client_test(i)
     with torch.no_grad():
-        logits = model(x.to(module.device))
+        logits = model_logits(model(x.to(module.device)))
         y = y.to(logits.device)
         accuracy = float((logits.argmax(-1) == y).double().mean())
         loss = float(module.ctx.per_sample_loss(logits, y).double().mean())

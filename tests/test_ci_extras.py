@@ -15,6 +15,8 @@ EXTRAS = {
     "datasets": "lightning-fedmeta[flower-datasets]",
     "opacus": "lightning-fedmeta[test]",
     "markdown": "lightning-fedmeta[docs]",
+    "transformers": "lightning-fedmeta[llm]",
+    "peft": "lightning-fedmeta[llm]",
     "fedmeta_pfedme": "plugins/fedmeta-pfedme",
     "fedmeta_centered_clip": "plugins/fedmeta-centered-clip",
     "fedmeta_rotated_blobs": "plugins/fedmeta-rotated-blobs",

@@ -41,6 +41,7 @@ __all__ = [
     "tree_weighted_sum",
     "weighted_sum",
     "cross_entropy_per_sample",
+    "model_logits",
 ]
 
 Params = dict[str, Tensor]
@@ -151,6 +152,17 @@ def cross_entropy_per_sample(logits: Tensor, y: Tensor) -> Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.cross_entropy(logits, y, reduction="none")
+
+
+def model_logits(out: Any) -> Any:
+    """The tensor the loss and the metrics take from a model's forward: ``out`` itself when it is a tensor (every
+    model that returns its logits, unchanged), else ``out.logits`` when ``out`` carries a tensor by that name (the
+    ``ModelOutput`` of a Hugging Face ``transformers`` model, e.g. ``CausalLMOutput``, and of a ``peft`` model around
+    one), else ``out`` unchanged (the model-output check reports what it is)."""
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, Tensor) else out
 
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -273,7 +285,7 @@ class ClientContext:
         if count and self._counting and self._bound is not None:
             record = {}
         with running_stats.statistics_scope(mask, record):
-            out = functional_call(self.model, (params, self.constants(params, buffers)), (x,))
+            out = model_logits(functional_call(self.model, (params, self.constants(params, buffers)), (x,)))
         return out, ({} if record is None else running_stats.updates_by_name(self._layers, record))
 
     def _loss_and_stats(self, params: Params, batch: Batch) -> tuple[Tensor, Params]:
@@ -363,7 +375,7 @@ class ClientContext:
     def _predict(self, params: Params, x: Tensor) -> Tensor:
         if self._layers:
             return self._forward(params, x, None, count=False)[0]
-        return functional_call(self.model, (params, self.constants(params, self.buffers)), (x,))
+        return model_logits(functional_call(self.model, (params, self.constants(params, self.buffers)), (x,)))
 
     def loss(self, params: Params, batch: Batch) -> Tensor:
         """Masked mean loss ``f(w; D)``."""

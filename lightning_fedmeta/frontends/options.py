@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_fedmeta.algorithms.base import Algorithm
+from lightning_fedmeta.client.functional import model_logits
 from lightning_fedmeta.client.losses import DEFAULT_LOSS, LOSSES, PerSampleLoss, loss_name, resolve_loss
 from lightning_fedmeta.data.federated import FederatedData
 from lightning_fedmeta.evaluation.metrics import BUILTIN_METRICS, DEFAULT_METRICS, ClientMetrics, MetricSpec
@@ -211,7 +212,7 @@ def _model_output(model: nn.Module, x: Tensor) -> Tensor:
     try:
         model.eval()
         with torch.no_grad():
-            return model(x)
+            return model_logits(model(x))
     except Exception as exc:  # noqa: BLE001 - reported with the shapes
         raise ValueError(f"the model cannot take this data's inputs: a batch of shape {tuple(x.shape)} ({x.dtype}) "
                          f"raised {type(exc).__name__}: {exc}") from exc

@@ -3,6 +3,7 @@
 # the public names of the module this package replaced (models.py), so
 # `from lightning_fedmeta.models import X` keeps working
 from lightning_fedmeta.models.generation import generate
+from lightning_fedmeta.models.hf import HuggingFaceCausalLM
 from lightning_fedmeta.models.lora import LoRALinear, LoRAModel, add_lora, lora_parameter_count
 from lightning_fedmeta.models.reference import (
     ELU,
@@ -39,4 +40,5 @@ __all__ = [
     "add_lora",
     "lora_parameter_count",
     "generate",
+    "HuggingFaceCausalLM",
 ]
