@@ -24,7 +24,7 @@ from torch.func import functional_call
 
 from lightning_fedmeta.algorithms.heads import head_names
 from lightning_fedmeta.client import batchnorm_stats as running_stats
-from lightning_fedmeta.client.functional import ClientContext, Params
+from lightning_fedmeta.client.functional import ClientContext, Params, model_logits
 
 __all__ = ["KNOWN", "PROTOTYPES", "LinearHead", "class_sums", "empty_prototypes", "features_and_logits", "linear_head"]
 
@@ -67,7 +67,7 @@ def features_and_logits(ctx: ClientContext, params: Params, x: Tensor, head: Lin
     captured: list[Tensor] = []
     handle = module.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     try:
-        logits = functional_call(ctx.model, (params, ctx.constants(params, ctx.buffers)), (x,))
+        logits = model_logits(functional_call(ctx.model, (params, ctx.constants(params, ctx.buffers)), (x,)))
     finally:
         handle.remove()
     return captured[0], logits

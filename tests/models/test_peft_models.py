@@ -288,3 +288,30 @@ def test_peft_config_runs_from_the_cli_training_the_adapters_only(tmp_path: Path
     assert adapters and all(n.endswith(("lora_A.default.weight", "lora_B.default.weight")) for n in adapters)
     assert list(module.engine.global_params()) == adapters
     assert "val/acc_weighted" in cli.trainer.callback_metrics  # type: ignore[attr-defined]
+
+
+def test_the_feature_algorithms_read_the_logits_of_a_model_output() -> None:
+    """FedProto/FedPAC-style algorithms run the model themselves (features_and_logits): a ``ModelOutput`` gives its
+    ``.logits`` there as in the engine."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from lightning_fedmeta.algorithms.feature_common import features_and_logits, linear_head
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(5, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> SequenceClassifierOutput:
+            return SequenceClassifierOutput(logits=self.head(torch.tanh(self.body(x))))
+
+    torch.manual_seed(0)
+    model = Classifier()
+    ctx = ClientContext(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(6, 5)
+    z, logits = features_and_logits(ctx, params, x, linear_head(params, "head", "fedproto"))
+    assert isinstance(logits, torch.Tensor)
+    torch.testing.assert_close(logits, model(x).logits)
+    torch.testing.assert_close(z, torch.tanh(model.body(x)))
