@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from lightning_fedmeta.algorithms.fedproto import FedProto
     from lightning_fedmeta.algorithms.fedprox import FedProx
     from lightning_fedmeta.algorithms.fedrod import FedRoD
+    from lightning_fedmeta.algorithms.fdlora import FDLoRA
     from lightning_fedmeta.algorithms.fedsa_lora import FedSALoRA
+    from lightning_fedmeta.algorithms.hetlora import HetLoRA
     from lightning_fedmeta.algorithms.ifca import IFCA
     from lightning_fedmeta.algorithms.lg_fedavg import LGFedAvg
     from lightning_fedmeta.algorithms.mocha import Mocha
@@ -50,15 +52,15 @@ _MODULE_OF = {
     "FedAvg": "fedavg", "FedBABU": "fedbabu", "FedBN": "fedbn", "FedDBE": "feddbe", "FedEM": "fedem",
     "FedFomo": "fedfomo", "FedMAML": "fedmaml", "FedPAC": "fedpac", "FedPer": "shared_representation",
     "FedProto": "fedproto", "FedProx": "fedprox", "FedRep": "shared_representation", "FedRoD": "fedrod",
-    "FedSALoRA": "fedsa_lora", "IFCA": "ifca", "LGFedAvg": "lg_fedavg", "MTLGraph": "mtl_graph",
+    "FedSALoRA": "fedsa_lora", "FDLoRA": "fdlora", "HetLoRA": "hetlora", "IFCA": "ifca", "LGFedAvg": "lg_fedavg", "MTLGraph": "mtl_graph",
     "MTLMean": "mtl_mean", "MTLPairwise": "mtl_pairwise", "Mocha": "mocha", "PFedHN": "pfedhn",
     "PerFedAvg": "perfedavg", "PerFedMAML": "perfedmaml", "Reptile": "reptile", "Scaffold": "scaffold",
 }
 
 __all__ = [
-    "APFL", "Algorithm", "BatchPlan", "CFL", "ClientOutput", "ClientRecord", "Ditto", "FedALA", "FedAMP", "FedAS",
+    "APFL", "Algorithm", "BatchPlan", "CFL", "ClientOutput", "ClientRecord", "Ditto", "FDLoRA", "FedALA", "FedAMP", "FedAS",
     "FedAvg", "FedBABU", "FedBN", "FedDBE", "FedEM", "FedFomo", "FedMAML", "FedPAC", "FedPer", "FedProto",
-    "FedProx", "FedRep", "FedRoD", "FedSALoRA", "IFCA", "LGFedAvg", "MTLGraph", "MTLMean", "MTLPairwise", "Mocha",
+    "FedProx", "FedRep", "FedRoD", "FedSALoRA", "HetLoRA", "IFCA", "LGFedAvg", "MTLGraph", "MTLMean", "MTLPairwise", "Mocha",
     "PFedHN", "PerFedAvg", "PerFedMAML", "Reptile", "Scaffold",
 ]
 assert __all__ == sorted(__all__)
