@@ -25,8 +25,8 @@ zeros exactly: the gradient of row ``r`` of ``A`` is ``(α/r) B[:, r]ᵀ G xᵀ`
 ``vmap``, with their rank a per-client tensor (client state ``{"rank": r_i}``, fixed).
 
 Ranks: ``ranks`` lists ``r_i`` for every client of the federation (training and held-out), or ``rank_choices`` gives
-a set each client's rank is drawn from, uniformly, by a generator seeded with ``rank_seed`` (one draw for all
-clients, in index order). A held-out client is evaluated with the global adapters truncated to its rank (after
+a set each client's rank is drawn from, uniformly, by a generator seeded with ``rank_seed`` (one draw per client, in
+index order); with neither, every client has rank ``r_max``. A held-out client is evaluated with the global adapters truncated to its rank (after
 ``finetune_steps`` steps on them, if any).
 
 Where we differ from the paper:
@@ -110,7 +110,8 @@ class HetLoRA(Algorithm):
 
     Args:
         ranks: ``r_i`` for every client of the federation (length: the number of clients), each in ``1..r_max``.
-        rank_choices: the ranks each client's rank is drawn from (uniformly) when ``ranks`` is not given.
+        rank_choices: the ranks each client's rank is drawn from (uniformly) when ``ranks`` is not given (neither
+            given: every client has rank ``r_max``, homogeneous LoRA).
         rank_seed: the seed of that draw.
         weighting: ``norm`` (the paper's sparsity-weighted aggregation, ``p_i ∝ ‖ΔW_i‖_F``) or ``data`` (the round's
             weights of the module's ``aggregation``).
@@ -133,10 +134,9 @@ class HetLoRA(Algorithm):
         weighting: str = "norm",
     ) -> None:
         super().__init__()
-        if (ranks is None) == (rank_choices is None):
+        if ranks is not None and rank_choices is not None:
             raise ValueError("hetlora: give the clients' ranks either as ranks (one per client) or as rank_choices "
-                             f"(drawn per client), exactly one of them; got ranks={ranks!r}, "
-                             f"rank_choices={rank_choices!r}")
+                             f"(drawn per client), not both; got ranks={ranks!r}, rank_choices={rank_choices!r}")
         for label, values in (("ranks", ranks), ("rank_choices", rank_choices)):
             if values is None:
                 continue
@@ -156,14 +156,16 @@ class HetLoRA(Algorithm):
     def hparams(self) -> dict[str, object]:
         return {**super().hparams(), "ranks": self.ranks, "rank_choices": self.rank_choices}
 
-    def client_ranks(self, num_clients: int) -> list[int]:
-        """``r_i`` of clients ``0..num_clients − 1``: ``ranks``, or the seeded draw from ``rank_choices``."""
+    def client_ranks(self, num_clients: int, max_rank: int) -> list[int]:
+        """``r_i`` of clients ``0..num_clients − 1``: ``ranks``, or the seeded draw from ``rank_choices``, or
+        ``max_rank`` for every client when neither is given."""
         if self.ranks is not None:
             if len(self.ranks) != num_clients:
                 raise ValueError(f"hetlora: ranks lists {len(self.ranks)} ranks, but the federation has "
                                  f"{num_clients} clients (held-out ones included): give one rank per client")
             return list(self.ranks)
-        assert self.rank_choices is not None
+        if self.rank_choices is None:
+            return [max_rank] * num_clients
         generator = torch.Generator().manual_seed(self.rank_seed)  # one scalar draw per client, in index order:
         return [self.rank_choices[int(torch.randint(len(self.rank_choices), (1,), generator=generator))]
                 for _ in range(num_clients)]  # client i's rank does not depend on how many follow it
@@ -175,7 +177,7 @@ class HetLoRA(Algorithm):
             raise ValueError(f"hetlora needs a LoRA'd model (trainable lora_A/lora_B; its trainable parameters are "
                              f"{list(params)[:12]}): add_lora(model, targets, rank=r_max) or "
                              "lightning_fedmeta.models.LoRAModel")
-        wanted = max(self.ranks if self.ranks is not None else self.rank_choices or [0])
+        wanted = max(self.ranks if self.ranks is not None else self.rank_choices or [0])  # [0]: every client r_max
         if wanted > max_rank:
             raise ValueError(f"hetlora: a client rank {wanted} exceeds the model's LoRA rank r_max = {max_rank}; "
                              "build the model with rank >= the largest client rank")
@@ -186,7 +188,7 @@ class HetLoRA(Algorithm):
         max_rank = self.check_model(params)
         index = clients.index.reshape(-1)
         known = int(index.max()) + 1 if index.numel() and int(index.max()) >= 0 else 0
-        table = self.client_ranks(max(known, len(self.ranks) if self.ranks is not None else known))
+        table = self.client_ranks(max(known, len(self.ranks) if self.ranks is not None else known), max_rank)
         ranks = [table[int(i)] if int(i) >= 0 else max_rank for i in index]
         return {RANK: torch.tensor(ranks, dtype=torch.long)}
 

@@ -245,11 +245,11 @@ def test_hetlora_rounds_match_truncation_and_zero_padding_by_hand(weighting: str
 
 def test_hetlora_ranks_drawn_from_choices_are_seeded_and_prefix_stable() -> None:
     algo = HetLoRA(rank_choices=[1, 2, 4], rank_seed=3)
-    ranks = algo.client_ranks(20)
+    ranks = algo.client_ranks(20, 4)
     assert set(ranks) <= {1, 2, 4} and len(set(ranks)) > 1
-    assert algo.client_ranks(5) == ranks[:5]  # client i's rank does not depend on the federation's size
-    assert HetLoRA(rank_choices=[1, 2, 4], rank_seed=3).client_ranks(20) == ranks
-    assert HetLoRA(rank_choices=[1, 2, 4], rank_seed=4).client_ranks(20) != ranks
+    assert algo.client_ranks(5, 4) == ranks[:5]  # client i's rank does not depend on the federation's size
+    assert HetLoRA(rank_choices=[1, 2, 4], rank_seed=3).client_ranks(20, 4) == ranks
+    assert HetLoRA(rank_choices=[1, 2, 4], rank_seed=4).client_ranks(20, 4) != ranks
 
 
 def test_hetlora_truncation_is_exact_under_sgd() -> None:
@@ -266,9 +266,8 @@ def test_hetlora_truncation_is_exact_under_sgd() -> None:
 
 
 def test_hetlora_refuses_bad_ranks() -> None:
-    with pytest.raises(ValueError, match="exactly one of them"):
-        HetLoRA()
-    with pytest.raises(ValueError, match="exactly one of them"):
+    assert HetLoRA().client_ranks(3, 4) == [4, 4, 4]  # neither given: homogeneous, every client at r_max
+    with pytest.raises(ValueError, match="not both"):
         HetLoRA(ranks=[1], rank_choices=[1])
     with pytest.raises(ValueError, match="ranks must be a non-empty list"):
         HetLoRA(ranks=[])
