@@ -26,8 +26,8 @@ zeros exactly: the gradient of row ``r`` of ``A`` is ``(α/r) B[:, r]ᵀ G xᵀ`
 
 Ranks: ``ranks`` lists ``r_i`` for every client of the federation (training and held-out), or ``rank_choices`` gives
 a set each client's rank is drawn from, uniformly, by a generator seeded with ``rank_seed`` (one draw per client, in
-index order); with neither, every client has rank ``r_max``. A held-out client is evaluated with the global adapters truncated to its rank (after
-``finetune_steps`` steps on them, if any).
+index order); with neither, every client has rank ``r_max``. A held-out client is evaluated with the global
+adapters truncated to its rank (after ``finetune_steps`` steps on them, if any).
 
 Where we differ from the paper:
 

@@ -18,7 +18,6 @@ from lightning_fedmeta.testing import check_loop_equals_vmap
 from tests.algorithms.test_lora_rules import (
     A_NAMES,
     B_NAMES,
-    LR,
     ROUNDS,
     STEPS,
     local_sgd,
