@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from lightning_fedmeta.algorithms.apfl import APFL
     from lightning_fedmeta.algorithms.cfl import CFL
     from lightning_fedmeta.algorithms.ditto import Ditto
+    from lightning_fedmeta.algorithms.fdlora import FDLoRA
     from lightning_fedmeta.algorithms.fedala import FedALA
     from lightning_fedmeta.algorithms.fedamp import FedAMP
     from lightning_fedmeta.algorithms.fedas import FedAS
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from lightning_fedmeta.algorithms.fedprox import FedProx
     from lightning_fedmeta.algorithms.fedrod import FedRoD
     from lightning_fedmeta.algorithms.fedsa_lora import FedSALoRA
+    from lightning_fedmeta.algorithms.hetlora import HetLoRA
     from lightning_fedmeta.algorithms.ifca import IFCA
     from lightning_fedmeta.algorithms.lg_fedavg import LGFedAvg
     from lightning_fedmeta.algorithms.mocha import Mocha
@@ -46,20 +48,21 @@ if TYPE_CHECKING:
 
 #: every built-in algorithm class (the entry points of pyproject.toml) -> its module
 _MODULE_OF = {
-    "APFL": "apfl", "CFL": "cfl", "Ditto": "ditto", "FedALA": "fedala", "FedAMP": "fedamp", "FedAS": "fedas",
-    "FedAvg": "fedavg", "FedBABU": "fedbabu", "FedBN": "fedbn", "FedDBE": "feddbe", "FedEM": "fedem",
-    "FedFomo": "fedfomo", "FedMAML": "fedmaml", "FedPAC": "fedpac", "FedPer": "shared_representation",
-    "FedProto": "fedproto", "FedProx": "fedprox", "FedRep": "shared_representation", "FedRoD": "fedrod",
-    "FedSALoRA": "fedsa_lora", "IFCA": "ifca", "LGFedAvg": "lg_fedavg", "MTLGraph": "mtl_graph",
-    "MTLMean": "mtl_mean", "MTLPairwise": "mtl_pairwise", "Mocha": "mocha", "PFedHN": "pfedhn",
-    "PerFedAvg": "perfedavg", "PerFedMAML": "perfedmaml", "Reptile": "reptile", "Scaffold": "scaffold",
+    "APFL": "apfl", "CFL": "cfl", "Ditto": "ditto", "FDLoRA": "fdlora", "FedALA": "fedala", "FedAMP": "fedamp",
+    "FedAS": "fedas", "FedAvg": "fedavg", "FedBABU": "fedbabu", "FedBN": "fedbn", "FedDBE": "feddbe",
+    "FedEM": "fedem", "FedFomo": "fedfomo", "FedMAML": "fedmaml", "FedPAC": "fedpac",
+    "FedPer": "shared_representation", "FedProto": "fedproto", "FedProx": "fedprox",
+    "FedRep": "shared_representation", "FedRoD": "fedrod", "FedSALoRA": "fedsa_lora", "HetLoRA": "hetlora",
+    "IFCA": "ifca", "LGFedAvg": "lg_fedavg", "MTLGraph": "mtl_graph", "MTLMean": "mtl_mean",
+    "MTLPairwise": "mtl_pairwise", "Mocha": "mocha", "PFedHN": "pfedhn", "PerFedAvg": "perfedavg",
+    "PerFedMAML": "perfedmaml", "Reptile": "reptile", "Scaffold": "scaffold",
 }
 
 __all__ = [
-    "APFL", "Algorithm", "BatchPlan", "CFL", "ClientOutput", "ClientRecord", "Ditto", "FedALA", "FedAMP", "FedAS",
-    "FedAvg", "FedBABU", "FedBN", "FedDBE", "FedEM", "FedFomo", "FedMAML", "FedPAC", "FedPer", "FedProto",
-    "FedProx", "FedRep", "FedRoD", "FedSALoRA", "IFCA", "LGFedAvg", "MTLGraph", "MTLMean", "MTLPairwise", "Mocha",
-    "PFedHN", "PerFedAvg", "PerFedMAML", "Reptile", "Scaffold",
+    "APFL", "Algorithm", "BatchPlan", "CFL", "ClientOutput", "ClientRecord", "Ditto", "FDLoRA", "FedALA", "FedAMP",
+    "FedAS", "FedAvg", "FedBABU", "FedBN", "FedDBE", "FedEM", "FedFomo", "FedMAML", "FedPAC", "FedPer", "FedProto",
+    "FedProx", "FedRep", "FedRoD", "FedSALoRA", "HetLoRA", "IFCA", "LGFedAvg", "MTLGraph", "MTLMean", "MTLPairwise",
+    "Mocha", "PFedHN", "PerFedAvg", "PerFedMAML", "Reptile", "Scaffold",
 ]
 assert __all__ == sorted(__all__)
 assert set(__all__) == {"Algorithm", "BatchPlan", "ClientOutput", "ClientRecord", *_MODULE_OF}

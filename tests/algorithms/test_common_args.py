@@ -151,6 +151,7 @@ def test_every_builtin_takes_each_common_argument_or_refuses_it_with_a_reason(na
 def test_the_builtins_that_refuse_common_arguments_are_these() -> None:
     refused = {name: sorted(registry.load_algorithm(name).unused_args) for name in BUILTINS}
     assert {k: v for k, v in refused.items() if v} == {
+        "fdlora": ["finetune_epochs", "finetune_lr", "finetune_steps"],  # its evaluation-time work is AdaFusion's
         "fedmaml": ["local_lr"],
         "mocha": sorted(COMMON_ARGS),
         "perfedavg": ["local_lr"],

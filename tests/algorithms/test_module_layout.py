@@ -74,7 +74,7 @@ def test_every_builtin_algorithm_class_is_exported_by_the_algorithms_package(nam
 
 def test_the_algorithms_package_exports_are_sorted_and_import() -> None:
     assert algorithms.__all__ == sorted(algorithms.__all__)
-    assert len(BUILTINS) == 31
+    assert len(BUILTINS) == 33
     for name in algorithms.__all__:
         assert getattr(importlib.import_module("lightning_fedmeta.algorithms"), name) is not None
     with pytest.raises(AttributeError, match="has no attribute 'NotAnAlgorithm'"):

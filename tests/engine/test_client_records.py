@@ -39,7 +39,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "fedmaml": {"alpha": 0.1},
 }
 LINEAR_ONLY = {"mocha"}
-LORA_ONLY = {"fedsa_lora"}  # needs LoRA adapters (lora_A shared, lora_B personal)
+LORA_ONLY = {"fedsa_lora", "hetlora"}  # need LoRA adapters (lora_A shared, lora_B personal; ranks truncated)
 
 
 def _names() -> list[str]:

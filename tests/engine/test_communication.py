@@ -26,6 +26,7 @@ FLOAT, LONG = 4, 8  # float32 and int64 bytes
 MOCHA_D = C * (F + 1)  # MOCHA's linear model: one row of F weights and a bias per class
 BN_D = (F * H + H) + 2 * H + (H * C + C)  # FedBN's example model: Linear(5, 8) -> BatchNorm1d(8) -> Linear(8, 3)
 LORA_A = 2 * F + 2 * H  # FedSA-LoRA's example model: the kit's MLP with rank-2 adapters; the A matrices (2 × d_in)
+LORA_B = 2 * H + 2 * C  # the same model's B matrices (d_out × 2)
 
 # (algorithm, arguments) -> (bytes down, bytes up) per client and round, counted by hand from the exchange
 HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
@@ -66,6 +67,10 @@ HAND_COUNTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "fedbabu": ({}, FLOAT * (F * H + H), FLOAT * (F * H + H)),
     # FedSA-LoRA: the LoRA A matrices both ways; the B matrices stay on the client, the frozen base never travels
     "fedsa_lora": ({}, FLOAT * LORA_A, FLOAT * LORA_A),
+    # FDLoRA: the global adapter both ways (A and B); the personal adapter and the fusion weights stay on the client
+    "fdlora": ({}, FLOAT * (LORA_A + LORA_B), FLOAT * (LORA_A + LORA_B)),
+    # HetLoRA: the rank-r_max adapters down, the zero-padded delta and ‖ΔW_i‖_F up (sizes at r_max for every client)
+    "hetlora": ({"rank_choices": [1, 2]}, FLOAT * (LORA_A + LORA_B), FLOAT * (LORA_A + LORA_B + 1)),
     # FedProto: the C × H global prototypes and their C known flags down; the local prototypes and C holds flags up
     "fedproto": ({}, FLOAT * (C * H + C), FLOAT * (C * H + C)),
     # FedDBE: w, the global mean ḡ (H) and its ready flag down; Δ and the running mean (H) up

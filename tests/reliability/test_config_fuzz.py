@@ -289,7 +289,7 @@ ALGORITHM_BASES: dict[str, tuple[dict[str, Any], Callable[[], nn.Module]]] = {
     "fedala": ({}, _two_layers), "fedbabu": ({}, _two_layers), "fedbn": ({}, _batch_norm),
     "feddbe": ({}, _two_layers), "fedproto": ({}, _two_layers), "fedrod": ({}, _two_layers),
     "lg_fedavg": ({}, _two_layers), "fedas": ({}, _two_layers), "fedpac": ({}, _two_layers),
-    "fedsa_lora": ({}, _lora_two_layers),
+    "fedsa_lora": ({}, _lora_two_layers), "fdlora": ({}, _lora_two_layers), "hetlora": ({}, _lora_two_layers),
 }
 HEAD_PREFIX = Option(st.none() | st.just("2."), st.just("zzz") | st.just("") | st.just(["0.", "2."]))
 SEED64 = Option(st.integers(-(2**63), 2**64 - 1), st.integers(min_value=2**64) | st.integers(max_value=-(2**63) - 1))
@@ -331,6 +331,16 @@ ALGORITHM_OPTIONS: dict[str, dict[str, Option]] = {
     "fedrod": {"head_prefix": HEAD_PREFIX, "balanced": Option(st.booleans(), None, NO_INVALID_BOOL)},
     "fedsa_lora": {"personal": Option(st.sampled_from(["lora_B", ["lora_B"], ["2.lora_B"], ["*.lora_B", "0.lora_A"]]),
                                       st.sampled_from(["zzz", "", [], [3], ["lora_A", "lora_B"]]))},
+    "fdlora": {"personal_lr": optional(nonnegative_finite()), "fusion_steps": int_at_least(0, 3),
+               "fusion_lr": nonnegative_finite(), "fusion_l1": nonnegative_finite(),
+               "fusion_init": Option(st.sampled_from([[0.5, 0.5], [0.0, 0.5], (-0.5, 0.25)]),
+                                     st.sampled_from([[2.0, 0.0], [1.0], "x", [0.5, math.nan]])),
+               "fusion_bound": Option(between(0.5, 3.0), below(0.0, True) | NAN | st.just(math.inf))},
+    "hetlora": {"ranks": Option(st.none(), st.sampled_from([[], [0], "x", [1, 2.5]])),
+                "rank_choices": Option(st.none() | st.sampled_from([[1], [1, 2], [2]]),
+                                       st.sampled_from([[], [0], "x", [True]])),
+                "rank_seed": SEED64,
+                "weighting": Option(st.sampled_from(["norm", "data"]), text_not_in(["norm", "data"]))},
     "ifca": {"num_clusters": int_at_least(1, 3), "init": Option(st.sampled_from(["kmeans++", "perturb"]),
              text_not_in(["kmeans++", "perturb"])), "init_noise": nonnegative_finite(),
              "init_seed": Option(st.integers(0, 2**31), None, "any integer is a seed"),
