@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pretrain-steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--per-round", type=int, default=5, help="clients per round (of 9)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[0.1, 0.3, 1.0])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0])
     parser.add_argument("--finetune-lrs", type=float, nargs="+", default=[0.1, 0.3])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=None)
