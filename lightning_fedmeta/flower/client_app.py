@@ -38,9 +38,15 @@ from lightning_fedmeta.flower.client import (
     population_view,
 )
 from lightning_fedmeta.flower.compressed import RESIDUAL, client_upload
-from lightning_fedmeta.flower.records import record_to_client_record, record_to_tree, tree_to_record
+from lightning_fedmeta.flower.records import (
+    completed_params,
+    record_to_client_record,
+    record_to_tree,
+    sent_delta,
+    tree_to_record,
+)
 from lightning_fedmeta.flower.state_file import ClientStateFile, default_state_dir
-from lightning_fedmeta.persistence.memory_store import map_state
+from lightning_fedmeta.persistence.memory_store import map_state, unflatten_state
 
 __all__ = ["app", "handle_query", "handle_train", "handle_evaluate"]
 
@@ -63,6 +69,8 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     if "params-dtype" in config:  # a 16-bit download (model.compression.download): float32(half(w)) as simulated
         dtype = getattr(torch, str(config["params-dtype"]))
         params = {n: p.to(dtype) if p.is_floating_point() else p for n, p in params.items()}
+    init = record_to_tree(content.array_records["init-params"]) if "init-params" in content.array_records else None
+    params = completed_params(params, client.model, init)  # a personal part the server left out
     server_state = record_to_tree(content.array_records["server-state"])
     record = record_to_client_record(content.array_records["record"])
     pop = record_to_tree(content.array_records["population"])
@@ -73,7 +81,8 @@ def _inputs(client: LocalClient, msg: Message, context: Context) -> tuple[Any, .
     files = _state_file(client, context, config)
     statistics: dict[str, Any] = {}
     if state_round < 0:  # never aggregated: the algorithm's initial state (from the initial global model)
-        state = client.initial_state(record_to_tree(content.array_records["init-params"]), population)
+        assert init is not None, "the server sends the initial model with a never-aggregated client's message"
+        state = client.initial_state(init, population)
     else:
         state = files.load(state_round)
         statistics = state.pop(STATISTICS, {})
@@ -127,7 +136,8 @@ def handle_train(msg: Message, context: Context) -> Message:
     config, params, server_state, state, record, width, files, statistics = _inputs(client, msg, context)
     round_idx = int(config["round"])
     out, statistics = client.train(round_idx, params, server_state, state, record, width, statistics)
-    delta_record, kept = _delta_record(client, out.delta, config, files)
+    # the delta's entries the algorithm uploads (a personal part's zeros stay here; the server fills them in)
+    delta_record, kept = _delta_record(client, unflatten_state(sent_delta(client.algorithm, out)), config, files)
     files.save(round_idx, {**out.state, **kept, **({STATISTICS: statistics} if statistics else {})})
     files.prune({int(config["state-round"]), round_idx})
     upload_state = bool(node_setting(context.node_config, context.run_config, "upload-client-state", True))

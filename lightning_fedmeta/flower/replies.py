@@ -6,7 +6,9 @@ A node is not trusted: whoever runs it controls every byte of its replies. A rep
               to the pinned size: run config partition-sizes, else the size its partition reported first), its
               data description (task, classes, shapes, histogram length) equals the federation's
     train     delta / state / extras have exactly the keys, shapes and dtypes an honest client's output has
-              (:func:`honest_output`: the algorithm's client_update run once by the server) and finite values;
+              (:func:`honest_output`: the algorithm's client_update run once by the server) and finite values,
+              the delta holding the entries the algorithm uploads (the rest, a personal part, is zero and is
+              filled in by the server: :func:`~lightning_fedmeta.flower.records.sent_delta`);
               under model.compression the delta record holds the compressed arrays an honest node sends
               (:func:`~lightning_fedmeta.flower.compressed.upload_layout`) with values an honest encoding gives
               (QSGD codes within the levels, norms >= 0, sparse indices distinct), decoded to a finite delta;
@@ -64,11 +66,20 @@ class ReplySpec:
     extras: TreeSpec
     metrics: frozenset[str]
     statistics: TreeSpec = field(default_factory=dict)  # the BatchNorm running statistics ({} without BatchNorm)
+    #: the delta's flattened keys that travel (``None``: all of them)
+    sent: frozenset[str] | None = None
 
     @classmethod
-    def of(cls, out: ClientOutput, statistics: Mapping[str, Tensor] | None = None) -> ReplySpec:
+    def of(cls, out: ClientOutput, statistics: Mapping[str, Tensor] | None = None,
+           sent: Mapping[str, Tensor] | None = None) -> ReplySpec:
+        """The spec of ``out`` (an honest client's output); ``sent``: the part of its delta that travels
+        (:func:`~lightning_fedmeta.flower.records.sent_delta`), ``None`` for the whole delta."""
         return cls(tree_spec(out.delta), tree_spec(out.state), tree_spec(out.extras), frozenset(out.metrics),
-                   tree_spec(statistics or {}))
+                   tree_spec(statistics or {}), None if sent is None else frozenset(sent))
+
+    def sent_delta(self) -> TreeSpec:
+        """The spec of the delta entries a reply carries."""
+        return self.delta if self.sent is None else {k: v for k, v in self.delta.items() if k in self.sent}
 
 
 def _tree(content: RecordDict, name: str, spec: TreeSpec) -> dict[str, Any]:
@@ -126,6 +137,14 @@ def _compressed_delta(content: RecordDict, spec: TreeSpec, compressor: Compresso
     return unflatten_state(flat)
 
 
+def _with_zeros(delta: Mapping[str, Any], spec: TreeSpec) -> dict[str, Any]:
+    """``delta`` with zeros (``spec``'s shapes and dtypes) for the entries of ``spec`` it does not carry: the personal
+    part of a delta, which never travels."""
+    flat = flatten_state(dict(delta))
+    return unflatten_state({k: flat[k] if k in flat else torch.zeros(shape, dtype=dtype)
+                            for k, (shape, dtype) in spec.items()})
+
+
 def _check_norm(row: Tensor) -> None:
     """An honest delta is a float32 update whose L2 norm is a float32 number: a delta of finite coordinates whose
     norm is not (e.g. values of 3e38) would overflow the round's sum."""
@@ -138,13 +157,15 @@ def check_train_reply(content: RecordDict, spec: ReplySpec, num_samples: int,
                       compressor: Compressor | None = None) -> ClientOutput:
     """The reply's :class:`ClientOutput`, or :class:`RejectedReply` (see the module docstring); with
     ``compressor`` (``model.compression.upload``) the delta is decoded from its compressed record."""
+    sent = spec.sent_delta()
     if compressor is None:
-        delta = _tree(content, "delta", spec.delta)
+        delta = _tree(content, "delta", sent)
         flat = [v.reshape(-1) for v in flatten_state(delta).values() if v.is_floating_point()]
         if flat:
             _check_norm(torch.cat([v.to(torch.float64) for v in flat]))
     else:
-        delta = _compressed_delta(content, spec.delta, compressor)
+        delta = _compressed_delta(content, sent, compressor)
+    delta = _with_zeros(delta, spec.delta)
     state = _tree(content, "state", spec.state)
     extras = _tree(content, "extras", spec.extras)
     metrics = _numbers(content, set(spec.metrics) | {"num-examples"})

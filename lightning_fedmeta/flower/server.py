@@ -49,7 +49,7 @@ from lightning_fedmeta.evaluation.fairness import flat_spread, summaries_with_sp
 from lightning_fedmeta.evaluation.metrics import DEFAULT_METRICS, ClientMetrics
 from lightning_fedmeta.flower.compressed import wire_bytes
 from lightning_fedmeta.flower.config import DeploymentConfig, deployed_dp
-from lightning_fedmeta.flower.records import client_record_to_record, tree_to_record
+from lightning_fedmeta.flower.records import client_record_to_record, sent_delta, sent_params, tree_to_record
 from lightning_fedmeta.flower.replies import (
     RejectedReply,
     ReplySpec,
@@ -326,8 +326,9 @@ class DeploymentServer:
         self.secret_cohorts = engine.draws is not None
         self.state_round = torch.full((k,), -1, dtype=torch.long)  # the last round each client was aggregated in
         engine.bind_population(self.counts, self.label_counts, self.model, str(spec["task"]))
-        self.reply_spec = ReplySpec.of(*honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
-                                                      self.init_params, self.server_state, self.statistics()))
+        honest, honest_statistics = honest_output(cfg, first, self.records(torch.arange(k)), self.label_counts,
+                                                  self.init_params, self.server_state, self.statistics())
+        self.reply_spec = ReplySpec.of(honest, honest_statistics, sent_delta(self.algorithm, honest))
         self.round = 0
         if self.checkpoint and os.path.isfile(self.checkpoint):
             self.load(self.checkpoint)
@@ -514,17 +515,23 @@ class DeploymentServer:
     # ------------------------------------------------------------------------------------------
     # messages
     # ------------------------------------------------------------------------------------------
-    def _content(self, round_idx: int, pid: int) -> RecordDict:
+    def _content(self, round_idx: int, pid: int, kind: str) -> RecordDict:
         config = ConfigRecord({"round": round_idx, "partition-id": pid, "run-key": self.run_key,
                                "run-token": self.run_token, "state-round": int(self.state_round[pid]),
                                "num-clients": self.num_clients, "largest-train-size": int(self.counts.max())})
         if self.compression is not None and self.compression.download is not None:
             config["params-dtype"] = str(next(iter(self.params().values())).dtype).removeprefix("torch.")
+        record = ClientRecord(*(t[0] for t in self.records(torch.tensor([pid]))))
+        # train: the parameters the algorithm downloads (a personal part stays out: the node completes it);
+        # evaluate: all of them (a client that never trained is scored with the global personal part)
+        assert self.reply_spec is not None
+        params = sent_params(self.algorithm, self.params(), self.server_state, record, self.reply_spec.state) \
+            if kind == "train" else self.params()
         content = RecordDict({
             "config": config,
-            "params": tree_to_record(sent_model(self.params(), self.compression)),
+            "params": tree_to_record(sent_model(params, self.compression)),
             "server-state": tree_to_record(self.server_state),
-            "record": client_record_to_record(ClientRecord(*(t[0] for t in self.records(torch.tensor([pid]))))),
+            "record": client_record_to_record(record),
             # with config's num-clients and largest-train-size, the client's view of the population
             # (flower.client.population_view): its own label histogram, nothing of another client
             "population": tree_to_record({"label_counts": self.label_counts[pid]}),
@@ -561,7 +568,8 @@ class DeploymentServer:
     ) -> tuple[dict[int, Message], set[int]]:
         """Push one message per partition, then pull the replies until all are in, the reply timeout, or a
         partition's node is replaced. Returns the good replies and the partitions to send again."""
-        messages = [Message(self._content(round_idx, p), dst_node_id=n, message_type=kind) for p, n in targets.items()]
+        messages = [Message(self._content(round_idx, p, kind), dst_node_id=n, message_type=kind)
+                    for p, n in targets.items()]
         if kind == "train":
             self.wire["down"] += sum(wire_bytes(m.content) for m in messages)
         ids = list(self.grid.push_messages(messages))

@@ -93,6 +93,45 @@ def test_history_counts_the_payload_of_the_messages_built(name: str, tmp_path: P
           f"(config, client record, population, init-params, client state) {server.history[0]['comm']}")
 
 
+PARTIAL = {  # algorithm -> its config; both download and upload a part of the parameters
+    "lg_fedavg": "{name: lg_fedavg, local_lr: 0.05, local_steps: 2, batch_size: 8}",
+    "fedbabu": "{name: fedbabu, local_lr: 0.05, local_steps: 2, batch_size: 8}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+def test_a_personal_part_never_travels_and_the_counted_bytes_are_the_messages(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LG-FedAvg keeps its local layers on the client (as FedSA-LoRA keeps ``B`` and FedBN the normalisation layers):
+    the train message's parameters and the reply's delta hold the global layers' entries only (the node completes
+    the parameters, the server the delta's zeros); so does FedBABU's head, whose initial value the client keeps in
+    its state. The counted bytes are exactly the records' payload, and the rounds equal the in-process run."""
+    from lightning_fedmeta.algorithms.base import ClientRecord
+    from tests.frontends.test_flower import in_process, max_diff
+
+    cfg = write_config(tmp_path, PARTIAL[name])
+    server, grid = _recorded(monkeypatch, cfg, tmp_path, node_config={"upload-client-state": False})
+    record = ClientRecord(*(t[0] for t in server.records(torch.tensor([0]))))
+    downloaded = set(server.algorithm.download(server.init_params, server.server_state, record))
+    assert downloaded < set(server.init_params)  # a part only
+    for msg, reply in grid.train:
+        assert set(reply.content.array_records["delta"].to_torch_state_dict()) == downloaded
+        assert set(msg.content.array_records["params"].to_torch_state_dict()) == downloaded
+    down: dict[int, int] = {}
+    up: dict[int, int] = {}
+    for msg, reply in grid.train:
+        r = int(msg.content.config_records["config"]["round"])
+        down[r] = down.get(r, 0) + payload_bytes_of(msg.content.array_records["params"]) + \
+            payload_bytes_of(msg.content.array_records["server-state"])
+        up[r] = up.get(r, 0) + payload_bytes_of(reply.content.array_records["delta"]) + \
+            payload_bytes_of(reply.content.array_records["extras"])
+    for entry in server.history:
+        assert entry["comm"]["comm/up_bytes"] == up[entry["round"]]
+        assert entry["comm"]["comm/down_bytes"] == down[entry["round"]]
+    reference = in_process(cfg)
+    assert max_diff({n: p.detach() for n, p in reference.model.named_parameters()}, server.params()) < 1e-5
+
+
 COMPRESSIONS = {
     "qsgd4_download16": ("{upload: qsgd, bits: 4, bucket_size: 64, download: float16}",
                          4 * math.ceil(D / 64) + math.ceil(D * 4 / 8)),

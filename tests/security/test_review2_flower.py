@@ -377,7 +377,7 @@ def test_a_node_learns_the_federation_total_and_no_other_size(tmp_path: Path) ->
     server = new_server(cfg_path, tmp_path)
     server.discover()
     server.setup()
-    content = server._content(0, 1)
+    content = server._content(0, 1, "train")
     config = dict(content.config_records["config"])
     record = content.array_records["record"].to_torch_state_dict()
     assert set(config) == {"round", "partition-id", "run-key", "run-token", "state-round", "num-clients",
