@@ -68,7 +68,7 @@ from lightning_fedmeta.algorithms.base import (
 )
 from lightning_fedmeta.algorithms.local_steps import local_sgd
 from lightning_fedmeta.client.functional import Batch, ClientContext, Params, has_samples, tree_dot, tree_sub
-from lightning_fedmeta.models.lora import add_lora
+from lightning_fedmeta.models.lora import lora_example_mlp
 
 __all__ = ["FDLoRA", "fuse"]
 
@@ -198,14 +198,6 @@ class FDLoRA(Algorithm):
 
     @classmethod
     def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module | None:
-        """A small MLP with rank-2 LoRA adapters on both linear layers (FDLoRA fuses adapters)."""
-        width = 1
-        for d in input_shape:
-            width *= int(d)
-        net = nn.Sequential(nn.Flatten(), nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, num_classes))
-        with torch.no_grad():
-            add_lora(net, rank=2, alpha=4.0)
-            for module in net.modules():  # B ≠ 0, so the first round already trains A through B
-                if hasattr(module, "lora_B"):
-                    module.lora_B.normal_(0.0, 0.1)
-        return net
+        """A small MLP with rank-2 LoRA adapters on both linear layers (:func:`~lightning_fedmeta.models.lora.
+        lora_example_mlp`)."""
+        return lora_example_mlp(input_shape, num_classes)

@@ -38,12 +38,11 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from lightning_fedmeta.algorithms.personal_layers_common import PersonalLayers
 from lightning_fedmeta.client.functional import Params
-from lightning_fedmeta.models.lora import add_lora
+from lightning_fedmeta.models.lora import lora_example_mlp
 
 __all__ = ["FedSALoRA", "personal_parameter_names"]
 
@@ -94,14 +93,6 @@ class FedSALoRA(PersonalLayers):
 
     @classmethod
     def example_model(cls, input_shape: tuple[int, ...], num_classes: int) -> nn.Module | None:
-        """A small MLP with rank-2 LoRA adapters on both linear layers (FedSA-LoRA needs ``lora_A``/``lora_B``)."""
-        width = 1
-        for d in input_shape:
-            width *= int(d)
-        net = nn.Sequential(nn.Flatten(), nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, num_classes))
-        with torch.no_grad():
-            add_lora(net, rank=2, alpha=4.0)
-            for module in net.modules():  # B ≠ 0, so the check's first round already moves A through B
-                if hasattr(module, "lora_B"):
-                    module.lora_B.normal_(0.0, 0.1)
-        return net
+        """A small MLP with rank-2 LoRA adapters on both linear layers (:func:`~lightning_fedmeta.models.lora.
+        lora_example_mlp`)."""
+        return lora_example_mlp(input_shape, num_classes)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LoRALinear", "add_lora", "LoRAModel", "lora_parameter_count"]
+__all__ = ["LoRALinear", "add_lora", "LoRAModel", "lora_parameter_count", "lora_example_mlp"]
 
 
 class LoRALinear(nn.Module):
@@ -147,6 +147,20 @@ def lora_parameter_count(model: nn.Module) -> tuple[int, int]:
     """``(trainable, frozen)`` numbers of parameter elements of ``model``."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters()) - trainable
+
+
+def lora_example_mlp(input_shape: Sequence[int], num_classes: int, rank: int = 2, alpha: float = 4.0) -> nn.Module:
+    """``Flatten → Linear(∏ input_shape, 8) → Tanh → Linear(8, num_classes)`` with rank-``rank`` adapters on both
+    linear layers and ``B ~ N(0, 0.1²)`` instead of 0, so a first round already trains ``A`` through ``B``: the
+    small model an adapter algorithm's ``example_model`` gives the conformance kit (``check_algorithm``)."""
+    width = math.prod(int(d) for d in input_shape)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, num_classes))
+    with torch.no_grad():
+        add_lora(net, rank=rank, alpha=alpha)
+        for module in net.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_B.normal_(0.0, 0.1)
+    return net
 
 
 class LoRAModel(nn.Module):
